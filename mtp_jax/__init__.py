@@ -1,0 +1,19 @@
+"""mtp_jax: multi-token-prediction speculative decoding in JAX.
+
+`load(path)` gives a Model (config, params, tokenizer); `Engine(model, spec=SpecConfig(...))`
+runs batches with one of the draft strategies; `python -m mtp_jax.generate` is the CLI.
+"""
+
+from .checkpoint import CheckpointError, Model, load, save_hf, save_orbax
+from .config import ConfigError, EngineConfig, ModelConfig, SamplingParams, SpecConfig
+
+__all__ = ["load", "Model", "ModelConfig", "SpecConfig", "SamplingParams", "EngineConfig",
+           "ConfigError", "CheckpointError", "save_hf", "save_orbax", "Engine", "Request",
+           "Result"]
+
+
+def __getattr__(name):  # the engine pulls in the kernels: import it on first use
+    if name in ("Engine", "Request", "Result"):
+        from . import engine
+        return getattr(engine, name)
+    raise AttributeError(name)

@@ -1,0 +1,501 @@
+"""Checkpoints: strict HF safetensors import and export, orbax save / restore, `load`.
+
+The HF key map is derived from the config: every parameter of `MTPModel` lists the HF
+tensors it is built from (fused q/k/v and gate/up are joined on load, split on export).
+Import is strict: a missing, unexpected, duplicate (in two shards), mis-shaped or
+non-float tensor is an error naming every offending tensor, raised from the file headers
+before any data is read or anything is compiled. Float tensors are converted to the
+requested dtype. Safetensors files are read and written here directly (header + raw
+bytes, bf16 through ml_dtypes), so truncated files are caught with a clear message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from .config import ConfigError, ModelConfig
+from .mtp import MTPModel
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config or is unreadable."""
+
+
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+              "F64": np.float64, "I64": np.int64, "I32": np.int32, "I16": np.int16,
+              "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+_FLOAT_CODES = {"F32", "F16", "BF16", "F64"}
+_NP_TO_ST = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
+
+
+# ------------------------------------------------------------------ safetensors I/O
+def read_safetensors_header(path: str) -> dict:
+    """{name: (dtype_code, shape, (begin, end))} with offsets checked against the file size."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: truncated safetensors file (no header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8 or n > 100 * 2**20:
+            raise CheckpointError(f"{path}: truncated or corrupt safetensors header "
+                                  f"(header length {n}, file size {size})")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: corrupt safetensors header: {e}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header")
+    out, problems = {}, []
+    data_size = size - 8 - n
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            code, shape, (b, e) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            problems.append(f"{name}: malformed header entry")
+            continue
+        if code not in _ST_DTYPES:
+            problems.append(f"{name}: unsupported dtype {code}")
+            continue
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(_ST_DTYPES[code]).itemsize
+        if e - b != nbytes or b < 0:
+            problems.append(f"{name}: data offsets {b}..{e} do not match shape {shape} {code}")
+        elif e > data_size:
+            problems.append(f"{name}: data ends at byte {e} but the file holds {data_size} "
+                            "(truncated file)")
+        out[name] = (code, shape, (b, e))
+    if problems:
+        raise CheckpointError(f"{path}: " + "; ".join(problems))
+    return out
+
+
+def read_tensor(path: str, header_len_and_entry) -> np.ndarray:
+    base, (code, shape, (b, e)) = header_len_and_entry
+    mm = np.memmap(path, dtype=np.uint8, mode="r", offset=base + b, shape=(e - b,))
+    return np.frombuffer(mm, dtype=_ST_DTYPES[code]).reshape(shape)
+
+
+def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata=None) -> None:
+    header, offset, blobs = {}, 0, []
+    for name in sorted(tensors):
+        arr = np.ascontiguousarray(tensors[name])
+        code = _NP_TO_ST.get(arr.dtype)
+        if code is None:
+            raise CheckpointError(f"cannot write dtype {arr.dtype} for {name}")
+        blob = arr.tobytes()
+        header[name] = {"dtype": code, "shape": list(arr.shape),
+                        "data_offsets": [offset, offset + len(blob)]}
+        offset += len(blob)
+        blobs.append(blob)
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * ((8 - len(raw) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for blob in blobs:
+            f.write(blob)
+
+
+# --------------------------------------------------------------------------- key map
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One parameter: its path in the NNX state and the HF tensors it is made of."""
+
+    path: tuple
+    names: tuple  # HF tensor names
+    shapes: tuple  # their HF shapes
+    join: Callable  # list of HF arrays -> parameter array
+    split: Callable  # parameter array -> list of HF arrays
+
+
+def _t(a):
+    return np.ascontiguousarray(np.asarray(a).T)
+
+
+def _linear(path, name, out_dim, in_dim):
+    return Entry(path, (name,), ((out_dim, in_dim),), lambda a: _t(a[0]), lambda p: [_t(p)])
+
+
+def _vector(path, name, dim):
+    return Entry(path, (name,), ((dim,),), lambda a: np.asarray(a[0]), lambda p: [np.asarray(p)])
+
+
+def _block_entries(cfg: ModelConfig, path: tuple, prefix: str) -> list[Entry]:
+    d, k, g, h, f = (cfg.hidden_size, cfg.num_kv_heads, cfg.group_size, cfg.head_dim,
+                     cfg.intermediate_size)
+    n = k * g
+    a = prefix + "self_attn."
+
+    def join_qkv(arrs):  # q [n*h, d], k [k*h, d], v [k*h, d] -> [d, k, g+2, h]
+        q, kk, v = (np.asarray(x) for x in arrs)
+        q = q.reshape(k, g, h, d)
+        w = np.concatenate([q, kk.reshape(k, 1, h, d), v.reshape(k, 1, h, d)], axis=1)
+        return np.ascontiguousarray(w.transpose(3, 0, 1, 2))
+
+    def split_qkv(p):
+        w = np.asarray(p).transpose(1, 2, 3, 0)  # [k, g+2, h, d]
+        return [w[:, :g].reshape(n * h, d), w[:, g].reshape(k * h, d),
+                w[:, g + 1].reshape(k * h, d)]
+
+    def join_bias(arrs):
+        q, kk, v = (np.asarray(x) for x in arrs)
+        return np.concatenate([q.reshape(k, g, h), kk.reshape(k, 1, h), v.reshape(k, 1, h)], 1)
+
+    def split_bias(p):
+        p = np.asarray(p)
+        return [p[:, :g].reshape(n * h), p[:, g].reshape(k * h), p[:, g + 1].reshape(k * h)]
+
+    def join_gu(arrs):  # gate [f, d], up [f, d] -> [d, 2, f]
+        return np.ascontiguousarray(np.stack([np.asarray(arrs[0]).T, np.asarray(arrs[1]).T], 1))
+
+    def split_gu(p):
+        p = np.asarray(p)
+        return [_t(p[:, 0]), _t(p[:, 1])]
+
+    es = [
+        _vector(path + ("input_norm", "weight"), prefix + "input_layernorm.weight", d),
+        Entry(path + ("attn", "qkv"), (a + "q_proj.weight", a + "k_proj.weight",
+                                       a + "v_proj.weight"),
+              ((n * h, d), (k * h, d), (k * h, d)), join_qkv, split_qkv),
+        Entry(path + ("attn", "o"), (a + "o_proj.weight",), ((d, n * h),),
+              lambda arrs: np.ascontiguousarray(np.asarray(arrs[0]).T.reshape(n, h, d)),
+              lambda p: [_t(np.asarray(p).reshape(n * h, d))]),
+        _vector(path + ("post_attn_norm", "weight"), prefix + "post_attention_layernorm.weight",
+                d),
+        Entry(path + ("mlp", "gate_up"), (prefix + "mlp.gate_proj.weight",
+                                          prefix + "mlp.up_proj.weight"),
+              ((f, d), (f, d)), join_gu, split_gu),
+        _linear(path + ("mlp", "down"), prefix + "mlp.down_proj.weight", d, f),
+    ]
+    if cfg.attention_bias:
+        es.append(Entry(path + ("attn", "qkv_bias"),
+                        (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"),
+                        ((n * h,), (k * h,), (k * h,)), join_bias, split_bias))
+    if cfg.qk_norm:
+        es.append(_vector(path + ("attn", "q_norm", "weight"), a + "q_norm.weight", h))
+        es.append(_vector(path + ("attn", "k_norm", "weight"), a + "k_norm.weight", h))
+    return es
+
+
+def hf_key_map(cfg: ModelConfig) -> list[Entry]:
+    """Every parameter of the model with the HF tensors it is built from."""
+    d, v = cfg.hidden_size, cfg.vocab_size
+    es = [Entry(("target", "embed"), ("model.embed_tokens.weight",), ((v, d),),
+                lambda a: np.asarray(a[0]), lambda p: [np.asarray(p)]),
+          _vector(("target", "final_norm", "weight"), "model.norm.weight", d)]
+    if not cfg.tie_word_embeddings:
+        es.append(_linear(("target", "lm_head"), "lm_head.weight", v, d))
+    for i in range(cfg.num_layers):
+        es += _block_entries(cfg, ("target", "layers", i), f"model.layers.{i}.")
+
+    def mtp_input(path, enorm, hnorm, proj, final):
+        return [_vector(path + ("enorm", "weight"), enorm, d),
+                _vector(path + ("hnorm", "weight"), hnorm, d),
+                _linear(path + ("proj",), proj, d, 2 * d),
+                _vector(path + ("final_norm", "weight"), final, d)]
+
+    for k in range(cfg.num_mtp_modules):
+        path = ("mtp", k)
+        if cfg.layout == "mimo":
+            p = f"model.mtp_layers.{k}."
+            es += mtp_input(path + ("input",), p + "token_layernorm.weight",
+                            p + "hidden_layernorm.weight", p + "input_proj.weight",
+                            p + "final_layernorm.weight")
+        elif cfg.layout in ("deepseek_v3", "step3p5"):
+            p = f"model.layers.{cfg.num_layers + k}."
+            es += mtp_input(path + ("input",), p + "enorm.weight", p + "hnorm.weight",
+                            p + "eh_proj.weight", p + "shared_head.norm.weight")
+        else:  # qwen3_next
+            p = f"mtp.layers.{k}."
+        es += _block_entries(cfg, path + ("block",), p)
+        if cfg.mtp_own_head:
+            es.append(_linear(path + ("head",), p + "shared_head.head.weight", v, d))
+        if cfg.mtp_own_embed:
+            es.append(Entry(path + ("embed",), (p + "embed_tokens.weight",), ((v, d),),
+                            lambda a: np.asarray(a[0]), lambda q: [np.asarray(q)]))
+    if cfg.mtp_shared_input and cfg.num_mtp_modules:
+        es += mtp_input(("mtp_shared",), "mtp.pre_fc_norm_embedding.weight",
+                        "mtp.pre_fc_norm_hidden.weight", "mtp.fc.weight", "mtp.norm.weight")
+    return es
+
+
+# ----------------------------------------------------------------------------- Model
+@dataclasses.dataclass
+class Model:
+    """A loaded model: config, NNX graph definition, parameters and tokenizer (if any)."""
+
+    config: ModelConfig
+    graphdef: Any
+    params: Any  # nnx.State
+    tokenizer: Any = None  # tokenizers.Tokenizer
+    eos_token_ids: tuple = ()
+    path: Optional[str] = None
+
+    def module(self) -> MTPModel:
+        return nnx.merge(self.graphdef, self.params)
+
+    @property
+    def dtype(self):
+        return jax.tree_util.tree_leaves(self.params)[0].dtype
+
+
+def abstract_model(cfg: ModelConfig, dtype):
+    return nnx.eval_shape(lambda: MTPModel(cfg, dtype=dtype, rngs=nnx.Rngs(params=0)))
+
+
+def from_params(cfg: ModelConfig, flat: dict, dtype, **extra) -> Model:
+    """Build a Model from {state path: array}; every parameter must be present."""
+    graphdef, state = nnx.split(abstract_model(cfg, dtype))
+    missing = []
+    for path, var in state.flat_state():
+        if tuple(path) not in flat:
+            missing.append("/".join(map(str, path)))
+            continue
+        var.set_value(jnp.asarray(flat[tuple(path)], dtype))
+    if missing:
+        raise CheckpointError(f"parameters not provided: {missing}")
+    return Model(cfg, graphdef, state, **extra)
+
+
+def to_flat(params) -> dict:
+    return {tuple(p): v.get_value() for p, v in params.flat_state()}
+
+
+def _hf_files(path: str) -> tuple[list[str], Optional[dict]]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            try:
+                weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: unreadable index ({e})") from None
+        files = sorted(set(weight_map.values()))
+        missing = [x for x in files if not os.path.exists(os.path.join(path, x))]
+        if missing:
+            raise CheckpointError(f"{index} names shard files that do not exist: {missing}")
+        return [os.path.join(path, x) for x in files], weight_map
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(single):
+        return [single], None
+    found = sorted(x for x in os.listdir(path) if x.endswith(".safetensors"))
+    if not found:
+        raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    raise CheckpointError(f"{path}: found {found} but no model.safetensors.index.json to "
+                          "say how they form one checkpoint")
+
+
+def load_hf(path: str, *, dtype=None, config: Optional[ModelConfig] = None) -> Model:
+    """Strict import of an HF-layout folder (config.json + safetensors, single or sharded)."""
+    cfg = config or ModelConfig.from_hf(path)
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    files, weight_map = _hf_files(path)
+    found: dict[str, tuple] = {}
+    dup: dict[str, list] = {}
+    for fpath in files:
+        with open(fpath, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8)) if os.path.getsize(fpath) >= 8 else (0,)
+        for name, entry in read_safetensors_header(fpath).items():
+            if name in found:
+                dup.setdefault(name, [found[name][0]]).append(fpath)
+            found[name] = (fpath, 8 + n, entry)
+    entries = hf_key_map(cfg)
+    expected = {nm: shp for e in entries for nm, shp in zip(e.names, e.shapes)}
+    problems = []
+    if dup:
+        problems.append("duplicate tensors (in several files): " + ", ".join(
+            f"{k} in {[os.path.basename(x) for x in v]}" for k, v in sorted(dup.items())))
+    missing = sorted(set(expected) - set(found))
+    if missing:
+        problems.append(f"missing tensors: {missing}")
+    unexpected = sorted(set(found) - set(expected))
+    if unexpected:
+        problems.append(f"unexpected tensors: {unexpected}")
+    shaped = sorted(f"{k} has shape {list(found[k][2][1])}, expected {list(expected[k])}"
+                    for k in set(found) & set(expected) if found[k][2][1] != tuple(expected[k]))
+    if shaped:
+        problems.append("mis-shaped tensors: " + "; ".join(shaped))
+    typed = sorted(f"{k} has dtype {found[k][2][0]}" for k in set(found) & set(expected)
+                   if found[k][2][0] not in _FLOAT_CODES)
+    if typed:
+        problems.append("non-float tensors where weights are expected: " + "; ".join(typed))
+    if weight_map is not None:
+        wrong = sorted(k for k, (fp, _, _) in found.items()
+                       if k in weight_map and os.path.basename(fp) != weight_map[k])
+        unindexed = sorted(k for k in found if k not in weight_map)
+        if wrong:
+            problems.append(f"tensors stored in a different shard than the index says: {wrong}")
+        if unindexed:
+            problems.append(f"tensors missing from the index: {unindexed}")
+    if problems:
+        raise CheckpointError(f"{path}: checkpoint does not match its config "
+                              f"({cfg.layout}): " + " | ".join(problems))
+    flat = {}
+    for e in entries:
+        arrs = []
+        for name in e.names:
+            fpath, base, entry = found[name]
+            arr = read_tensor(fpath, (base, entry)).astype(np.float32)
+            if not np.all(np.isfinite(arr)):
+                raise CheckpointError(f"{path}: tensor {name} holds NaN or Inf")
+            arrs.append(arr)
+        flat[e.path] = e.join(arrs)
+    return from_params(cfg, flat, dtype, eos_token_ids=_eos_ids(path), path=path,
+                       tokenizer=load_tokenizer(path))
+
+
+def save_hf(model: Model, path: str, *, dtype=None, max_shard_bytes: Optional[int] = None,
+            extra_config: Optional[dict] = None) -> None:
+    """Export in the HF layout of `model.config.layout` (sharded if max_shard_bytes is set)."""
+    os.makedirs(path, exist_ok=True)
+    cfg = model.config
+    dt = np.dtype(ml_dtypes.bfloat16) if (dtype or cfg.dtype) == "bfloat16" else np.dtype(
+        dtype or cfg.dtype)
+    flat = to_flat(model.params)
+    tensors = {}
+    for e in hf_key_map(cfg):
+        for name, arr in zip(e.names, e.split(np.asarray(flat[e.path], np.float32))):
+            tensors[name] = np.asarray(arr).astype(dt)
+    hf = cfg.to_hf()
+    hf["torch_dtype"] = str(dt) if dt != np.dtype(ml_dtypes.bfloat16) else "bfloat16"
+    if model.eos_token_ids:
+        hf["eos_token_id"] = list(model.eos_token_ids)
+    hf.update(extra_config or {})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    if not max_shard_bytes:
+        write_safetensors(os.path.join(path, "model.safetensors"), tensors)
+        return
+    shards, cur, size = [], {}, 0
+    for name in sorted(tensors):
+        nb = tensors[name].nbytes
+        if cur and size + nb > max_shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[name] = tensors[name]
+        size += nb
+    shards.append(cur)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors(os.path.join(path, fname), shard)
+        weight_map.update({k: fname for k in shard})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+                   "weight_map": weight_map}, f, indent=2)
+
+
+def _eos_ids(path: str) -> tuple:
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            eos = json.load(f).get("eos_token_id")
+    except (OSError, json.JSONDecodeError):
+        return ()
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def load_tokenizer(path: str):
+    """The `tokenizers` tokenizer in `path/tokenizer.json`, or None (imported lazily)."""
+    tok = os.path.join(path, "tokenizer.json")
+    if not os.path.exists(tok):
+        return None
+    from tokenizers import Tokenizer  # the one heavy import, only when needed
+
+    return Tokenizer.from_file(tok)
+
+
+# ----------------------------------------------------------------------------- orbax
+ORBAX_MARKER = "mtp_jax_orbax.json"
+
+
+def _str_keys(flat: dict) -> dict:
+    return {"/".join(map(str, k)): v for k, v in flat.items()}
+
+
+def save_orbax(model: Model, path: str) -> None:
+    """Save converted params with orbax, plus config.json and tokenizer.json beside them."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(path)
+    os.makedirs(path, exist_ok=True)
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(os.path.join(path, "params"), _str_keys(to_flat(model.params)), force=True)
+    ckptr.wait_until_finished()
+    hf = model.config.to_hf()
+    if model.eos_token_ids:
+        hf["eos_token_id"] = list(model.eos_token_ids)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    with open(os.path.join(path, ORBAX_MARKER), "w") as f:
+        json.dump({"format": "mtp_jax orbax params", "dtype": str(model.dtype)}, f)
+    if model.tokenizer is not None:
+        model.tokenizer.save(os.path.join(path, "tokenizer.json"))
+
+
+def load_orbax(path: str, *, dtype=None, shardings: Optional[Callable] = None) -> Model:
+    """Restore params saved by `save_orbax` into `dtype` and, if given, `shardings(path,
+    shape) -> jax.sharding.Sharding` (each shard read directly onto its device)."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(path)
+    cfg = ModelConfig.from_hf(path)
+    with open(os.path.join(path, ORBAX_MARKER)) as f:
+        saved_dtype = json.load(f).get("dtype", "float32")
+    dtype = jnp.dtype(dtype or saved_dtype)
+    graphdef, state = nnx.split(abstract_model(cfg, dtype))
+    target = {}
+    for p, var in state.flat_state():
+        shape = var.get_value().shape
+        sh = shardings(tuple(p), shape) if shardings else jax.sharding.SingleDeviceSharding(
+            jax.devices()[0])
+        target["/".join(map(str, p))] = jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+    params_dir = os.path.join(path, "params")
+    if not os.path.isdir(params_dir):
+        raise CheckpointError(f"{path}: no orbax params folder")
+    try:
+        restored = ocp.StandardCheckpointer().restore(params_dir, target)
+    except Exception as e:  # orbax raises many types for corrupt folders
+        raise CheckpointError(f"{path}: orbax restore failed: {type(e).__name__}: "
+                              f"{str(e)[:500]}") from None
+    flat = {}
+    for p, _ in state.flat_state():
+        arr = restored["/".join(map(str, p))]
+        flat[tuple(p)] = arr if arr.dtype == dtype else arr.astype(dtype)
+    return from_params(cfg, flat, dtype, eos_token_ids=_eos_ids(path), path=path,
+                       tokenizer=load_tokenizer(path))
+
+
+def load(path: str, *, dtype=None, shardings=None) -> Model:
+    """Load an HF-layout folder or an orbax folder written by `save_orbax`."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"model path {path!r} is not a directory")
+    if os.path.exists(os.path.join(path, ORBAX_MARKER)):
+        return load_orbax(path, dtype=dtype, shardings=shardings)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise CheckpointError(f"{path}: no config.json (not an HF or mtp_jax orbax folder)")
+    model = load_hf(path, dtype=dtype)
+    if shardings is not None:
+        flat = {p: jax.device_put(v, shardings(p, v.shape)) for p, v in to_flat(model.params).items()}
+        model = from_params(model.config, flat, model.dtype, tokenizer=model.tokenizer,
+                            eos_token_ids=model.eos_token_ids, path=path)
+    return model
+
+
+__all__ = ["CheckpointError", "ConfigError", "Model", "load", "load_hf", "save_hf",
+           "save_orbax", "load_orbax", "hf_key_map", "write_safetensors",
+           "read_safetensors_header"]

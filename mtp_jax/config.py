@@ -1,0 +1,540 @@
+"""Frozen configuration dataclasses.
+
+`ModelConfig` is built from an HF `config.json` (`ModelConfig.from_hf`) and holds every
+architecture fact the target and the MTP drafting need: the MTP concat order, position-0
+embedding zeroing, which hidden the target hands to MTP (before or after its final norm),
+which hidden a module hands on, per-module or shared heads and embeddings, the hidden
+source (`previous` / `target`), per-layer sliding windows and RoPE scaling. Four weight
+layouts are understood, all on a dense GQA block for now:
+
+- ``mimo``        MiMo (Qwen2 target, QKV bias, ``model.mtp_layers.{i}.*``), hidden first.
+- ``deepseek_v3`` DeepSeek-V3 naming on a dense block (``model.layers.{N + k}.*``).
+- ``qwen3_next``  Qwen3-Next naming (``mtp.{fc, pre_fc_norm_*, layers.N, norm}``), q/k norm.
+- ``step3p5``     Step-3.5 naming (``shared_head`` per MTP layer, sliding-window MTP layers).
+
+Anything in a config that would change the math and that we do not implement (MoE, MLA,
+gated attention, linear attention, an unknown key) raises `ConfigError` naming the field.
+Variants are made with `dataclasses.replace`, never by assignment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Optional
+
+LAYOUTS = ("mimo", "deepseek_v3", "qwen3_next", "step3p5")
+METHODS = ("none", "eagle", "per_step", "window", "chain")
+
+
+class ConfigError(ValueError):
+    """A config field that is missing, invalid, or describes math we do not implement."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """HF `rope_scaling`. `kind` in linear | dynamic | yarn | llama3."""
+
+    kind: str
+    factor: float
+    original_max_position: Optional[int] = None
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: Optional[float] = None
+    # llama3
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+
+    def __post_init__(self):
+        if self.kind not in ("linear", "dynamic", "yarn", "llama3"):
+            raise ConfigError(f"rope_scaling.type={self.kind!r} is not supported "
+                              "(supported: linear, dynamic, yarn, llama3)")
+        if not self.factor or self.factor <= 0:
+            raise ConfigError(f"rope_scaling.factor must be > 0, got {self.factor}")
+        if self.kind in ("yarn", "llama3", "dynamic") and not self.original_max_position:
+            raise ConfigError(f"rope_scaling {self.kind} needs original_max_position_embeddings")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    layout: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    norm_offset: float = 0.0  # 1.0 for zero-centred norms, y = x_hat * (1 + w) (Qwen3-Next)
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[RopeScaling] = None
+    partial_rotary_factor: float = 1.0
+    max_position_embeddings: int = 4096
+    attention_bias: bool = False  # q/k/v projection bias (Qwen2 / MiMo)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    tie_word_embeddings: bool = False
+    sliding_windows: tuple = ()  # per target layer: None or window size
+    # --- MTP ---
+    num_mtp_modules: int = 0
+    mtp_concat_order: str = "hidden_first"  # or "embed_first"
+    mtp_zero_embed_at_pos0: bool = True
+    mtp_hidden_from: str = "post_norm"  # target hidden handed to MTP: before/after final norm
+    mtp_output_hidden: str = "post_norm"  # hidden a module hands on: block output, normed or not
+    mtp_hidden_source: str = "previous"  # module k consumes module k-1's hidden, or the target's
+    mtp_own_head: bool = False  # per-module `shared_head.head` instead of the target lm_head
+    mtp_own_embed: bool = False  # per-module `embed_tokens` instead of the target embedding
+    mtp_shared_input: bool = False  # one fc / pre-norms / final norm for all modules (Qwen3-Next)
+    mtp_sliding_windows: tuple = ()  # per MTP module: None or window size
+    dtype: str = "bfloat16"  # checkpoint dtype (HF torch_dtype)
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ConfigError(f"layout {self.layout!r} not in {LAYOUTS}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim"):
+            if int(getattr(self, name)) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_attention_heads={self.num_heads} is not a multiple of "
+                              f"num_key_value_heads={self.num_kv_heads}")
+        if len(self.sliding_windows) != self.num_layers:
+            object.__setattr__(self, "sliding_windows",
+                               _fill(self.sliding_windows, self.num_layers, "sliding_windows"))
+        if len(self.mtp_sliding_windows) != self.num_mtp_modules:
+            object.__setattr__(self, "mtp_sliding_windows",
+                               _fill(self.mtp_sliding_windows, self.num_mtp_modules,
+                                     "mtp_sliding_windows"))
+        checks = {"mtp_concat_order": ("hidden_first", "embed_first"),
+                  "mtp_hidden_from": ("pre_norm", "post_norm"),
+                  "mtp_output_hidden": ("pre_norm", "post_norm"),
+                  "mtp_hidden_source": ("previous", "target")}
+        for name, allowed in checks.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name}={getattr(self, name)!r} not in {allowed}")
+        rot = self.rotary_dim
+        if rot % 2 or rot <= 0 or rot > self.head_dim:
+            raise ConfigError(f"partial_rotary_factor={self.partial_rotary_factor} gives an "
+                              f"invalid rotary dim {rot} for head_dim {self.head_dim}")
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count of target + MTP modules (embeddings counted once per table)."""
+        d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = d * (self.num_heads + 2 * self.num_kv_heads) * hd + self.num_heads * hd * d
+        attn += (self.num_heads + 2 * self.num_kv_heads) * hd if self.attention_bias else 0
+        attn += 2 * hd if self.qk_norm else 0
+        block = attn + 3 * d * f + 2 * d
+        emb = self.vocab_size * d
+        target = emb + self.num_layers * block + d + (0 if self.tie_word_embeddings else emb)
+        mtp_in = 2 * d * d + 3 * d
+        per = block + (0 if self.mtp_shared_input else mtp_in)
+        per += emb if self.mtp_own_head else 0
+        per += emb if self.mtp_own_embed else 0
+        mtp = self.num_mtp_modules * per + (mtp_in if self.mtp_shared_input else 0)
+        return target + mtp
+
+    # ------------------------------------------------------------------ HF import
+    @classmethod
+    def from_hf(cls, path_or_dict: Any) -> "ModelConfig":
+        """Read an HF `config.json` (a path to the file or its folder, or the parsed dict)."""
+        if isinstance(path_or_dict, dict):
+            raw = dict(path_or_dict)
+        else:
+            path = str(path_or_dict)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            if not os.path.exists(path):
+                raise ConfigError(f"no config.json at {path}")
+            with open(path) as f:
+                try:
+                    raw = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"{path} is not valid JSON: {e}") from None
+            if not isinstance(raw, dict):
+                raise ConfigError(f"{path} does not hold a JSON object")
+        return _from_hf_dict(raw)
+
+    def to_hf(self) -> dict:
+        """The HF `config.json` dict for this config (used when exporting a checkpoint)."""
+        return _to_hf_dict(self)
+
+
+def _fill(values, n, name):
+    values = tuple(values)
+    if not values:
+        return (None,) * n
+    if len(values) != n:
+        raise ConfigError(f"{name} has {len(values)} entries, expected {n}")
+    return values
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding: the draft strategy and its knobs.
+
+    method: none | eagle | per_step | window | chain (see DESIGN.md, Draft strategies).
+    `relaxed_*`: TensorRT-LLM style relaxed acceptance for thinking phases, off by default;
+    when on, a request in a thinking phase (between `think_begin_id` and `think_end_id`)
+    accepts a greedy draft that is among the target's top `relaxed_topk` tokens and within
+    `relaxed_delta` of the top-1 probability.
+    """
+
+    method: str = "chain"
+    num_speculative_tokens: int = 3
+    relaxed_acceptance: bool = False
+    relaxed_topk: int = 3
+    relaxed_delta: float = 0.3
+    think_begin_id: int = -1
+    think_end_id: int = -1
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ConfigError(f"method {self.method!r} not in {METHODS}")
+        if self.method != "none" and self.num_speculative_tokens < 1:
+            raise ConfigError("num_speculative_tokens must be >= 1")
+        if self.relaxed_acceptance and (self.relaxed_topk < 1 or not 0 <= self.relaxed_delta <= 1):
+            raise ConfigError("relaxed_topk must be >= 1 and relaxed_delta in [0, 1]")
+
+    @property
+    def k(self) -> int:
+        """Drafts per step (0 for plain decoding)."""
+        return 0 if self.method == "none" else self.num_speculative_tokens
+
+    def validate_for(self, cfg: ModelConfig) -> None:
+        if self.method in ("window", "chain", "per_step") and not (
+                1 <= self.num_speculative_tokens <= cfg.num_mtp_modules):
+            raise ConfigError(
+                f"method {self.method} needs 1 <= num_speculative_tokens <= "
+                f"{cfg.num_mtp_modules} (the number of MTP modules), got "
+                f"{self.num_speculative_tokens}")
+        if self.method == "eagle" and cfg.num_mtp_modules < 1:
+            raise ConfigError("method eagle needs at least one MTP module")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. temperature 0 means greedy (and ignores the seed)."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    seed: int = 0
+    max_tokens: int = 128
+    stop: tuple = ()  # strings (need a tokenizer)
+    stop_token_ids: tuple = ()
+    relaxed: bool = True  # allow relaxed acceptance for this request when the engine enables it
+
+    def __post_init__(self):
+        import math
+        errs = []
+        t = self.temperature
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) \
+                or t < 0 or t > 100:
+            errs.append(f"temperature must be a finite number in [0, 100], got {t!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            errs.append(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        p = self.top_p
+        if not isinstance(p, (int, float)) or isinstance(p, bool) or not math.isfinite(p) \
+                or not 0 < p <= 1:
+            errs.append(f"top_p must be in (0, 1], got {p!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not \
+                0 <= self.seed < 2**63:
+            errs.append(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) \
+                or self.max_tokens < 1:
+            errs.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            errs.append("stop must be a list of non-empty strings")
+        if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+                   for s in self.stop_token_ids):
+            errs.append("stop_token_ids must be non-negative integers")
+        if errs:
+            raise ConfigError("; ".join(errs))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Fixed shapes of the engine: they key the compiled programs."""
+
+    max_batch: int = 8
+    max_model_len: int = 2048
+    page_size: int = 16
+    num_pages: Optional[int] = None  # None: sized from kv_memory_gb, else enough for all slots
+    kv_memory_gb: Optional[float] = None
+    steps_per_dispatch: int = 32
+    prefill_chunk: int = 256  # largest prefill chunk; smaller chunks are powers of two
+    max_stop_ids: int = 8
+    attention_backend: Optional[str] = None  # None: by jax.default_backend()
+
+    def __post_init__(self):
+        if self.max_batch < 1 or self.max_model_len < 2 or self.page_size < 1:
+            raise ConfigError("max_batch >= 1, max_model_len >= 2, page_size >= 1 required")
+        if self.prefill_chunk & (self.prefill_chunk - 1) or self.prefill_chunk < 8:
+            raise ConfigError("prefill_chunk must be a power of two >= 8")
+        if self.steps_per_dispatch < 1:
+            raise ConfigError("steps_per_dispatch must be >= 1")
+
+
+# ---------------------------------------------------------------------------- HF parsing
+
+# Keys that carry no math (metadata, generation defaults, tokenizer ids, training knobs).
+_IGNORED = {
+    "architectures", "auto_map", "model_type", "torch_dtype", "dtype", "transformers_version",
+    "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "initializer_range",
+    "attention_dropout", "hidden_dropout", "_name_or_path", "name_or_path", "tokenizer_class",
+    "quantization_config_ignored", "output_attentions", "output_hidden_states",
+    "return_dict", "is_encoder_decoder", "tie_encoder_decoder", "pretraining_tp",
+    "use_return_dict", "_attn_implementation", "_attn_implementation_autoset", "vocab_file",
+    "id2label", "label2id", "problem_type", "task_specific_params", "finetuning_task",
+    "generation_config", "max_length", "min_length", "do_sample", "num_beams",
+    "temperature", "top_k", "top_p", "repetition_penalty", "bad_words_ids",
+    "chunk_size_feed_forward", "add_cross_attention", "cross_attention_hidden_size",
+    "decoder_start_token_id", "sep_token_id", "prefix", "torchscript", "emb_dropout",
+    "mlp_bias_ignored", "mtp_loss_weight", "mtp_training_note", "router_aux_loss_coef",
+    "output_router_logits", "use_mtp", "num_hidden_layers_ignored", "hidden_dropout_prob",
+}
+# Keys whose non-trivial values mean math we do not implement.
+_UNSUPPORTED = {
+    "num_experts": "MoE", "n_routed_experts": "MoE", "num_local_experts": "MoE",
+    "moe_intermediate_size": "MoE", "n_shared_experts": "MoE",
+    "num_experts_per_tok": "MoE", "moe_layer_freq": "MoE", "first_k_dense_replace": "MoE",
+    "decoder_sparse_step": "MoE", "shared_expert_intermediate_size": "MoE",
+    "kv_lora_rank": "MLA", "q_lora_rank": "MLA", "qk_rope_head_dim": "MLA",
+    "qk_nope_head_dim": "MLA", "v_head_dim": "MLA", "use_mla": "MLA",
+    "attn_output_gate": "gated attention", "linear_num_value_heads": "linear attention",
+    "linear_num_key_heads": "linear attention", "linear_key_head_dim": "linear attention",
+    "linear_value_head_dim": "linear attention", "linear_conv_kernel_dim": "linear attention",
+    "full_attention_interval": "hybrid linear attention",
+    "attention_sink": "attention sinks", "use_head_wise_attn_gate": "gated attention",
+    "final_logit_softcapping": "logit soft-capping", "attn_logit_softcapping": "soft-capping",
+    "query_pre_attn_scalar": "custom attention scale", "mlp_bias": "MLP bias",
+    "sliding_num_attention_heads": "per-kind head counts", "n_group": "MoE routing",
+    "topk_group": "MoE routing", "routed_scaling_factor": "MoE routing",
+    "scoring_func": "MoE routing", "topk_method": "MoE routing", "norm_topk_prob": "MoE",
+    "mrope_section": "multimodal RoPE", "rope_interleave": "interleaved RoPE",
+}
+_TRIVIAL = (None, False, 0, 0.0, [], {}, "")
+
+
+def _layout_of(raw: dict) -> str:
+    mt = raw.get("model_type")
+    layout = {"mimo": "mimo", "deepseek_v3": "deepseek_v3", "glm4_moe": "deepseek_v3",
+              "qwen3_next": "qwen3_next", "step3p5": "step3p5"}.get(mt)
+    if layout is None:
+        raise ConfigError(f"model_type={mt!r} is not supported (supported: mimo, deepseek_v3, "
+                          "qwen3_next, step3p5)")
+    return layout
+
+
+def _from_hf_dict(raw: dict) -> ModelConfig:
+    layout = _layout_of(raw)
+    used = set()
+
+    def get(key, default=dataclasses.MISSING, *, alias=()):
+        for k in (key,) + tuple(alias):
+            if k in raw:
+                used.add(k)
+                return raw[k]
+        if default is dataclasses.MISSING:
+            raise ConfigError(f"config.json is missing required field {key!r}")
+        return default
+
+    for key, what in _UNSUPPORTED.items():
+        if key in raw:
+            used.add(key)
+            val = raw[key]
+            if key == "mlp_bias" and val is False:
+                continue
+            if key == "attn_output_gate" and val is False:
+                continue
+            if val not in _TRIVIAL:
+                raise ConfigError(f"config field {key}={val!r} ({what}) is not supported: "
+                                  "only dense GQA blocks are implemented")
+
+    act = get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ConfigError(f"hidden_act={act!r} is not supported (SwiGLU with silu only)")
+
+    hidden = int(get("hidden_size"))
+    heads = int(get("num_attention_heads"))
+    kv_heads = int(get("num_key_value_heads", heads))
+    head_dim = get("head_dim", None)
+    head_dim = int(head_dim) if head_dim else hidden // heads
+    num_layers = int(get("num_hidden_layers"))
+    num_mtp = int(get("num_nextn_predict_layers", 0, alias=("mtp_num_hidden_layers",)))
+    max_pos = int(get("max_position_embeddings", 4096))
+
+    rs = get("rope_scaling", None)
+    rope_params = get("rope_parameters", None)
+    theta = float(get("rope_theta", 10000.0))
+    if rope_params:
+        theta = float(rope_params.get("rope_theta", theta))
+        if rope_params.get("rope_type", rope_params.get("type", "default")) != "default":
+            rs = rs or rope_params
+    rope_scaling = _parse_rope_scaling(rs, max_pos)
+
+    # Sliding windows, per target layer and per MTP module.
+    window = get("sliding_window", None)
+    layer_types = get("layer_types", None)
+    use_sw = get("use_sliding_window", None)
+    max_window_layers = get("max_window_layers", None)
+    if layer_types is not None:
+        bad = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+        if bad:
+            raise ConfigError(f"layer_types contains {bad}: only full_attention and "
+                              "sliding_attention are supported")
+        if len(layer_types) not in (num_layers, num_layers + num_mtp):
+            raise ConfigError(f"layer_types has {len(layer_types)} entries, expected "
+                              f"{num_layers} or {num_layers + num_mtp}")
+        if "sliding_attention" in layer_types and not window:
+            raise ConfigError("layer_types has sliding_attention but sliding_window is unset")
+        kinds = [window if t == "sliding_attention" else None for t in layer_types]
+        target_windows = tuple(kinds[:num_layers])
+        mtp_windows = tuple(kinds[num_layers:]) or (None,) * num_mtp
+    elif use_sw and window:
+        start = int(max_window_layers) if max_window_layers is not None else 0
+        target_windows = tuple(window if i >= start else None for i in range(num_layers))
+        mtp_windows = (None,) * num_mtp
+    else:
+        target_windows = (None,) * num_layers
+        mtp_windows = (None,) * num_mtp
+
+    common = dict(
+        layout=layout,
+        vocab_size=int(get("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(get("intermediate_size")),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=rope_scaling,
+        partial_rotary_factor=float(get("partial_rotary_factor", 1.0)),
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+        sliding_windows=target_windows,
+        num_mtp_modules=num_mtp,
+        mtp_sliding_windows=mtp_windows,
+        dtype=str(raw.get("torch_dtype", raw.get("dtype", "bfloat16")) or "bfloat16"),
+    )
+    per_layout = {
+        "mimo": dict(attention_bias=True, mtp_concat_order="hidden_first",
+                     mtp_zero_embed_at_pos0=True, mtp_hidden_from="post_norm",
+                     mtp_output_hidden="post_norm"),
+        "deepseek_v3": dict(mtp_concat_order="embed_first", mtp_zero_embed_at_pos0=True,
+                            mtp_hidden_from="post_norm", mtp_output_hidden="pre_norm",
+                            mtp_own_head=True, mtp_own_embed=True),
+        "qwen3_next": dict(qk_norm=True, norm_offset=1.0, mtp_concat_order="embed_first",
+                           mtp_zero_embed_at_pos0=False, mtp_hidden_from="post_norm",
+                           mtp_output_hidden="post_norm", mtp_shared_input=True),
+        "step3p5": dict(mtp_concat_order="embed_first", mtp_zero_embed_at_pos0=True,
+                        mtp_hidden_from="pre_norm", mtp_output_hidden="pre_norm",
+                        mtp_own_head=True),
+    }[layout]
+    if "attention_bias" in raw:
+        per_layout["attention_bias"] = bool(get("attention_bias"))
+    if "qk_norm" in raw:  # our own explicit switch, also written by the exporter
+        per_layout["qk_norm"] = bool(get("qk_norm"))
+    if layout == "step3p5" and "use_qk_norm" in raw:
+        per_layout["qk_norm"] = bool(get("use_qk_norm"))
+    # Explicit MTP facts may be written in config.json (the exporter writes them all);
+    # they override the per-layout defaults above.
+    for key in ("mtp_hidden_source", "mtp_concat_order", "mtp_hidden_from",
+                "mtp_output_hidden"):
+        if key in raw:
+            per_layout[key] = get(key)
+    if "mtp_zero_embed_at_pos0" in raw:
+        per_layout["mtp_zero_embed_at_pos0"] = bool(get("mtp_zero_embed_at_pos0"))
+
+    unknown = sorted(set(raw) - used - _IGNORED)
+    if unknown:
+        raise ConfigError(f"config.json has fields this engine does not understand: {unknown}; "
+                          "they may change the model math, so loading stops here")
+    return ModelConfig(**common, **per_layout)
+
+
+def _parse_rope_scaling(rs, max_pos) -> Optional[RopeScaling]:
+    if not rs:
+        return None
+    if not isinstance(rs, dict):
+        raise ConfigError(f"rope_scaling must be an object, got {rs!r}")
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind in (None, "default"):
+        return None
+    orig = rs.get("original_max_position_embeddings")
+    if kind == "dynamic" and not orig:
+        orig = max_pos
+    known = {"rope_type", "type", "factor", "original_max_position_embeddings", "beta_fast",
+             "beta_slow", "attention_factor", "low_freq_factor", "high_freq_factor",
+             "rope_theta", "mscale", "mscale_all_dim"}
+    unknown = sorted(set(rs) - known)
+    if unknown:
+        raise ConfigError(f"rope_scaling fields not understood: {unknown}")
+    if kind == "yarn" and (rs.get("mscale") not in (None, 1, 1.0)
+                           or rs.get("mscale_all_dim") not in (None, 0, 0.0)):
+        raise ConfigError("rope_scaling.mscale / mscale_all_dim (DeepSeek MLA yarn) "
+                          "is not supported")
+    return RopeScaling(
+        kind=kind, factor=float(rs.get("factor", 1.0)),
+        original_max_position=int(orig) if orig else None,
+        beta_fast=float(rs.get("beta_fast", 32.0)), beta_slow=float(rs.get("beta_slow", 1.0)),
+        attention_factor=(float(rs["attention_factor"]) if rs.get("attention_factor")
+                          is not None else None),
+        low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(rs.get("high_freq_factor", 4.0)))
+
+
+def _to_hf_dict(cfg: ModelConfig) -> dict:
+    model_type = {"mimo": "mimo", "deepseek_v3": "deepseek_v3", "qwen3_next": "qwen3_next",
+                  "step3p5": "step3p5"}[cfg.layout]
+    arch = {"mimo": "MiMoForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+            "qwen3_next": "Qwen3NextForCausalLM", "step3p5": "Step3p5ForCausalLM"}[cfg.layout]
+    out = {
+        "architectures": [arch], "model_type": model_type,
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "num_nextn_predict_layers": cfg.num_mtp_modules, "torch_dtype": cfg.dtype,
+        "attention_bias": cfg.attention_bias, "qk_norm": cfg.qk_norm,
+        "mtp_hidden_source": cfg.mtp_hidden_source, "mtp_concat_order": cfg.mtp_concat_order,
+        "mtp_hidden_from": cfg.mtp_hidden_from, "mtp_output_hidden": cfg.mtp_output_hidden,
+        "mtp_zero_embed_at_pos0": cfg.mtp_zero_embed_at_pos0,
+    }
+    if cfg.partial_rotary_factor != 1.0:
+        out["partial_rotary_factor"] = cfg.partial_rotary_factor
+    if cfg.rope_scaling is not None:
+        rs = cfg.rope_scaling
+        d = {"rope_type": rs.kind, "factor": rs.factor}
+        if rs.original_max_position:
+            d["original_max_position_embeddings"] = rs.original_max_position
+        if rs.kind == "yarn":
+            d.update(beta_fast=rs.beta_fast, beta_slow=rs.beta_slow)
+            if rs.attention_factor is not None:
+                d["attention_factor"] = rs.attention_factor
+        if rs.kind == "llama3":
+            d.update(low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor)
+        out["rope_scaling"] = d
+    windows = list(cfg.sliding_windows) + list(cfg.mtp_sliding_windows)
+    if any(w is not None for w in windows):
+        sizes = {w for w in windows if w is not None}
+        if len(sizes) != 1:
+            raise ConfigError("HF configs carry one sliding_window size; got " + str(sizes))
+        out["sliding_window"] = sizes.pop()
+        out["layer_types"] = ["sliding_attention" if w else "full_attention" for w in windows]
+    return out

@@ -1,0 +1,345 @@
+"""The host side: requests, slots, admission, prefill, multi-step dispatches, results.
+
+Continuous batching over `max_batch` fixed slots. Requests queue in order; the head of
+the queue is admitted when a slot is free and its page reservation (prompt + max_tokens
++ K positions) fits the pools, so the decode loop never allocates. Admission runs the
+chunked prefill (target, then the MTP history, then the first drafts) for that slot.
+Then one dispatch runs up to `steps_per_dispatch` speculative steps on device; between
+dispatches the host collects finished requests (stop ids, budget, max_model_len and NaN
+checks all happen on device; stop *strings* are matched here on the decoded text) and
+releases their pages. Compiled programs depend only on the engine configuration: after
+`warmup()` nothing recompiles.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import time
+from typing import Any, Iterable, Iterator, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import ConfigError, EngineConfig, SamplingParams, SpecConfig
+from .kv_cache import PageAllocator, make_layout
+from .sampling import split_seed
+from .step import (FINISH_ERROR, FINISH_LENGTH, FINISH_NONE, FINISH_STOP, Static, init_state,
+                   programs)
+
+_REASONS = {FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_ERROR: "error"}
+
+
+@dataclasses.dataclass
+class Request:
+    id: Any
+    prompt_ids: list
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+
+
+@dataclasses.dataclass
+class Result:
+    id: Any
+    token_ids: list
+    finish_reason: str  # stop | length | error
+    num_prompt_tokens: int
+    text: Optional[str] = None
+    error: Optional[str] = None
+    num_steps: int = 0  # target forwards after prefill
+    accepted_per_depth: list = dataclasses.field(default_factory=list)  # counts
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Generated tokens per target forward (the prefill forward counts as one)."""
+        return len(self.token_ids) / (self.num_steps + 1) if self.token_ids else 0.0
+
+    @property
+    def acceptance_per_depth(self) -> list:
+        return [a / self.num_steps if self.num_steps else 0.0 for a in self.accepted_per_depth]
+
+
+@dataclasses.dataclass
+class _Live:
+    req: Request
+    pages: list
+    stop_strings: tuple
+
+
+class Engine:
+    """Engine(model, spec=SpecConfig(...), max_batch=..., max_model_len=..., ...)."""
+
+    def __init__(self, model, spec: SpecConfig = SpecConfig(), config: Optional[EngineConfig] = None,
+                 **overrides):
+        self.model = model
+        self.spec = spec
+        spec.validate_for(model.config)
+        eng = dataclasses.replace(config or EngineConfig(), **overrides)
+        self.config = eng
+        k = spec.k
+        n_mtp = 0 if k == 0 else (1 if spec.method == "eagle" else k)
+        if spec.method in ("window", "chain", "per_step"):
+            n_mtp = k
+        self.layout = make_layout(model.config, eng, k, model.dtype, mtp_layers=n_mtp)
+        self.static = Static(model.config, spec, eng, self.layout)
+        self.progs = programs(self.static, model.graphdef)
+        self.state = init_state(self.static, model.dtype)
+        self.alloc = PageAllocator(self.layout)
+        self.slots: list[Optional[_Live]] = [None] * eng.max_batch
+        self.queue: collections.deque = collections.deque()
+        self.compile_seconds = 0.0
+        self._warm = False
+        self.stats = collections.Counter()
+
+    # ----------------------------------------------------------------- compile
+    def buckets(self) -> list[int]:
+        c, out = 16, []
+        while c < self.config.prefill_chunk:
+            out.append(c)
+            c *= 2
+        return out + [self.config.prefill_chunk]
+
+    def warmup(self) -> float:
+        """Compile every program (all prefill buckets) on an idle slot; returns seconds."""
+        if self._warm:
+            return 0.0
+        t0 = time.perf_counter()
+        p, st = self.model.params, self.state
+        slot, zero = jnp.int32(0), jnp.int32(0)
+        for c in self.buckets():
+            st, logits = self.progs.prefill_target(p, st, slot, zero, jnp.int32(1), chunk=c)
+            if self.spec.k:
+                st = self.progs.prefill_mtp(p, st, slot, zero, zero, chunk=c)
+        st = self.progs.prefill_finish(p, st, slot, logits, jnp.int32(1))
+        st = self.progs.run_steps(p, st, jnp.int32(0))
+        st = self.progs.release(st, jnp.zeros((self.config.max_batch,), bool))
+        self.state = jax.block_until_ready(st)
+        self._warm = True
+        self.compile_seconds += time.perf_counter() - t0
+        return self.compile_seconds
+
+    def cache_sizes(self) -> dict:
+        """Compiled-program cache sizes (for checking that nothing recompiles)."""
+        names = ("run_steps", "admit", "release", "prefill_target", "prefill_mtp",
+                 "prefill_finish")
+        return {n: getattr(self.progs, n)._cache_size() for n in names}
+
+    # ------------------------------------------------------------------ checks
+    def check(self, req: Request) -> Optional[str]:
+        """A clear message if the request can never run, else None."""
+        cfg, eng = self.model.config, self.config
+        ids = req.prompt_ids
+        if not isinstance(ids, (list, tuple, np.ndarray)) or len(ids) == 0:
+            return "empty prompt"
+        try:
+            arr = np.asarray(ids)
+        except (ValueError, TypeError):
+            return "prompt_ids must be a list of integers"
+        if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == bool) \
+                or arr.dtype == bool:
+            return "prompt_ids must be a list of integers"
+        if arr.min() < 0 or arr.max() >= cfg.vocab_size:
+            bad = int(arr[(arr < 0) | (arr >= cfg.vocab_size)][0])
+            return f"token id {bad} is outside the vocabulary [0, {cfg.vocab_size})"
+        if len(arr) >= eng.max_model_len:
+            return (f"prompt has {len(arr)} tokens; max_model_len is {eng.max_model_len} "
+                    "(prompt + at least one generated token must fit)")
+        stops = self._stop_ids(req)
+        if len(stops) > eng.max_stop_ids:
+            return f"{len(stops)} stop token ids; at most {eng.max_stop_ids} are supported"
+        need = self._reserve_tokens(req)
+        if not self.alloc.ever_fits(need):
+            return (f"request needs {need} KV positions, more than the page pool can ever "
+                    f"hold ({self.layout.groups[0].num_pages - 1} pages of "
+                    f"{self.layout.page_size})")
+        return None
+
+    def _stop_ids(self, req: Request) -> list:
+        return sorted(set(req.sampling.stop_token_ids) | set(self.model.eos_token_ids))
+
+    def _budget(self, req: Request) -> int:
+        return min(req.sampling.max_tokens, self.config.max_model_len - len(req.prompt_ids))
+
+    def _reserve_tokens(self, req: Request) -> int:
+        return min(len(req.prompt_ids) + self._budget(req) + self.spec.k,
+                   self.config.max_model_len + self.spec.k)
+
+    # --------------------------------------------------------------- admission
+    def _admit(self, slot: int, req: Request, pages: list) -> None:
+        s, eng, p = self.static, self.config, self.model.params
+        prompt = np.asarray(req.prompt_ids, np.int32)
+        plen = len(prompt)
+        buf = np.zeros((s.scratch_len,), np.int32)
+        buf[s.offset: s.offset + plen] = prompt
+        stops = np.full((eng.max_stop_ids,), -1, np.int32)
+        ids = self._stop_ids(req)
+        stops[: len(ids)] = ids
+        rows = self.alloc.table_rows(pages)
+        full = np.zeros((self.layout.width,), np.int32)
+        full[: len(pages[0])] = pages[0]
+        sp = req.sampling
+        tokens = self._reserve_tokens(req)
+        st = self.progs.admit(
+            self.state, jnp.int32(slot), buf, jnp.int32(min(tokens, eng.max_model_len + s.k)),
+            jnp.int32(self._budget(req)), stops, jnp.float32(sp.temperature),
+            jnp.int32(sp.top_k), jnp.float32(sp.top_p),
+            np.asarray(split_seed(sp.seed), np.uint32), jnp.bool_(sp.relaxed), rows, full)
+        sl = jnp.int32(slot)
+        start, logits = 0, None
+        while start < plen:
+            n = min(eng.prefill_chunk, plen - start)
+            st, logits = self.progs.prefill_target(p, st, sl, jnp.int32(start), jnp.int32(n),
+                                                   chunk=self._bucket(n))
+            start += n
+        history_end = plen - 1 - s.k  # the final draft window starts here
+        if s.k:
+            start = 0
+            while start < history_end:
+                n = min(eng.prefill_chunk, history_end - start)
+                st = self.progs.prefill_mtp(p, st, sl, jnp.int32(start), jnp.int32(history_end),
+                                            chunk=self._bucket(n))
+                start += n
+        self.state = self.progs.prefill_finish(p, st, sl, logits, jnp.int32(plen))
+
+    def _bucket(self, n: int) -> int:
+        return max(16, 1 << (n - 1).bit_length()) if n < self.config.prefill_chunk else \
+            self.config.prefill_chunk
+
+    def _fill_slots(self, out: list) -> None:
+        for slot in range(self.config.max_batch):
+            if self.slots[slot] is not None:
+                continue
+            while self.queue:
+                req = self.queue[0]
+                err = self.check(req)
+                if err:
+                    self.queue.popleft()
+                    out.append(self._error(req, err))
+                    continue
+                pages = self.alloc.reserve(self._reserve_tokens(req))
+                if pages is None:
+                    return  # wait for pages to be released, keep the order
+                self.queue.popleft()
+                self._admit(slot, req, pages)
+                self.slots[slot] = _Live(req, pages, tuple(req.sampling.stop))
+                break
+            else:
+                return
+
+    def _error(self, req: Request, msg: str) -> Result:
+        return Result(req.id, [], "error", len(req.prompt_ids) if isinstance(
+            req.prompt_ids, (list, tuple, np.ndarray)) else 0, error=msg)
+
+    # -------------------------------------------------------------- collection
+    def _collect(self) -> list:
+        st = self.state
+        active, finish, ngen, steps, acc = jax.device_get(
+            (st.active, st.finish, st.num_generated, st.steps, st.accepted))
+        live = [i for i, x in enumerate(self.slots) if x is not None]
+        stop_hit = {}
+        need_tokens = [i for i in live if finish[i] != FINISH_NONE or self.slots[i].stop_strings]
+        out_tokens = np.asarray(jax.device_get(st.out_tokens)) if need_tokens else None
+        done = np.zeros((self.config.max_batch,), bool)
+        results = []
+        for i in live:
+            item = self.slots[i]
+            toks = None
+            if item.stop_strings and finish[i] == FINISH_NONE:
+                toks = out_tokens[i, : ngen[i]].tolist()
+                cut = self._match_stop_string(toks, item.stop_strings)
+                if cut is None:
+                    continue
+                stop_hit[i] = cut
+            elif finish[i] == FINISH_NONE:
+                continue
+            toks = out_tokens[i, : ngen[i]].tolist() if toks is None else toks
+            reason = _REASONS.get(int(finish[i]), "stop")
+            text, err = None, None
+            if i in stop_hit:
+                toks, text, reason = stop_hit[i][0], stop_hit[i][1], "stop"
+            elif item.stop_strings:
+                found = self._match_stop_string(toks, item.stop_strings)
+                if found is not None:
+                    toks, text, reason = found[0], found[1], "stop"
+            if reason == "error":
+                err = "non-finite (NaN or Inf) logits: the request was stopped"
+            res = Result(item.req.id, toks, reason, len(item.req.prompt_ids), text=text,
+                         error=err, num_steps=int(steps[i]),
+                         accepted_per_depth=[int(x) for x in acc[i]])
+            if res.text is None and self.model.tokenizer is not None:
+                res.text = self.model.tokenizer.decode(toks)
+            results.append(res)
+            done[i] = True
+            self.alloc.release(item.pages)
+            self.slots[i] = None
+        if done.any():
+            self.state = self.progs.release(self.state, done)
+        return results
+
+    def _match_stop_string(self, toks, stops):
+        """(tokens up to and including the one completing the stop string, text before it)."""
+        tok = self.model.tokenizer
+        if tok is None:
+            return None
+        text = tok.decode(toks)
+        hits = [text.find(s) for s in stops if s in text]
+        if not hits:
+            return None
+        pos = min(hits)
+        for j in range(1, len(toks) + 1):  # shortest prefix whose text reaches the stop
+            if len(tok.decode(toks[:j])) >= pos + 1 and any(
+                    s in tok.decode(toks[:j]) for s in stops):
+                return toks[:j], text[:pos]
+        return toks, text[:pos]
+
+    # --------------------------------------------------------------------- API
+    def stream(self, requests: Iterable[Request]) -> Iterator[Result]:
+        """Run requests with continuous batching; yield each Result as it finishes."""
+        self.warmup()
+        for r in requests:
+            self.queue.append(r)
+        while self.queue or any(x is not None for x in self.slots):
+            out = []
+            self._fill_slots(out)
+            yield from out
+            if not any(x is not None for x in self.slots):
+                continue
+            t0 = time.perf_counter()
+            self.state = self.progs.run_steps(self.model.params, self.state,
+                                              jnp.int32(self.config.steps_per_dispatch))
+            for res in self._collect():
+                yield res
+            self.stats["dispatch_seconds"] += time.perf_counter() - t0
+            self.stats["dispatches"] += 1
+
+    def generate(self, prompts, sampling: Optional[SamplingParams] = None) -> list[Result]:
+        """Generate for prompts (token-id lists, strings, or Requests); results in order."""
+        reqs = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, Request):
+                reqs.append(p)
+                continue
+            if isinstance(p, str):
+                if self.model.tokenizer is None:
+                    raise ConfigError("text prompts need a tokenizer (tokenizer.json)")
+                p = self.model.tokenizer.encode(p).ids
+            reqs.append(Request(i, list(p), sampling or SamplingParams()))
+        by_id = {}
+        order = [id(r) for r in reqs]
+        key = {id(r): r.id for r in reqs}
+        results = {}
+        for res in self.stream(reqs):
+            results.setdefault(res.id, []).append(res)
+        out = []
+        for r in reqs:
+            out.append(results[key[id(r)]].pop(0))
+        del by_id, order
+        return out
+
+
+__all__ = ["Engine", "Request", "Result"]

@@ -1,0 +1,252 @@
+"""The Flax (NNX) target decoder: embedding, dense GQA blocks, final norm, lm_head.
+
+Blocks are Llama / Qwen2 / Qwen3 style: RMSNorm, GQA attention with RoPE (default, linear,
+dynamic, yarn, llama3 scaling; partial rotary), optional QKV bias, optional q/k norm,
+optional per-layer sliding window, SwiGLU MLP. The MTP modules (mtp.py) reuse `Block`.
+
+Modules hold parameters only, never caches. Attention goes through a backend callable
+`attend(layer, q, k, v, window) -> out` supplied by the caller, so one forward serves
+training (dense causal), the plain reference generator (dense cache) and the engine
+(paged KV); the caller reads any updated cache back from its backend object after the
+forward. Use: split the module once (`nnx.split`), merge inside `jax.jit`.
+
+Parameter layouts are chosen for one fused matmul per projection and for tensor
+parallelism over kv heads: `qkv` is [d, k, g + 2, h] (per kv head: its g query heads, then
+its key and value head), `o` is [n, h, d], `gate_up` is [d, 2, f].
+
+Einsum letters, used in every module of the package:
+  b batch, t tokens, s kv positions, d model dim, k kv heads, g query heads per kv head,
+  n query heads (= k * g), h head dim, f MLP dim, v vocabulary.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .config import ModelConfig
+
+Attend = Callable[..., jax.Array]  # attend(layer, q[b,t,n,h], k[b,t,k,h], v[b,t,k,h], window)
+
+
+def _param(rngs: nnx.Rngs, shape, dtype, std):
+    return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, *, eps: float, offset: float = 0.0, dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.full((dim,), 1.0 - offset, dtype))
+        self.eps, self.offset = eps, offset
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * (self.offset + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- RoPE
+@functools.lru_cache(maxsize=64)
+def rope_inv_freq(cfg: ModelConfig) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [rotary_dim // 2] and the cos/sin scale (yarn attention factor)."""
+    dim, base = cfg.rotary_dim, cfg.rope_theta
+    rs = cfg.rope_scaling
+    if rs is not None and rs.kind == "dynamic":
+        # Static NTK form (as vLLM): the base for the full scaled context, so cached keys
+        # never change frequency mid-sequence.
+        max_len = rs.original_max_position * rs.factor
+        base = base * ((rs.factor * max_len / rs.original_max_position) - (rs.factor - 1)) ** (
+            dim / (dim - 2))
+    inv = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    scale = 1.0
+    if rs is None or rs.kind == "dynamic":
+        pass
+    elif rs.kind == "linear":
+        inv = inv / rs.factor
+    elif rs.kind == "llama3":
+        old = rs.original_max_position
+        low_wl, high_wl = old / rs.low_freq_factor, old / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wl, inv / rs.factor, inv)
+        smooth = (old / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+        inv = np.where(medium, smoothed, scaled)
+    elif rs.kind == "yarn":
+        def corr_dim(rot):
+            return dim * math.log(rs.original_max_position / (rot * 2 * math.pi)) / (
+                2 * math.log(base))
+        low = max(math.floor(corr_dim(rs.beta_fast)), 0)
+        high = min(math.ceil(corr_dim(rs.beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+        extrap = 1 - ramp
+        inv = (inv / rs.factor) * (1 - extrap) + inv * extrap
+        scale = rs.attention_factor if rs.attention_factor is not None else (
+            0.1 * math.log(rs.factor) + 1.0 if rs.factor > 1 else 1.0)
+    return inv.astype(np.float32), float(scale)
+
+
+def apply_rope(x, positions, inv_freq, scale):
+    """x [b, t, heads, h], positions [b, t]; rotates the first 2 * len(inv_freq) dims."""
+    rot = 2 * inv_freq.shape[0]
+    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [b, t, rot/2]
+    cos = (jnp.cos(ang) * scale)[:, :, None, :]
+    sin = (jnp.sin(ang) * scale)[:, :, None, :]
+    xr = x[..., :rot].astype(jnp.float32)
+    x1, x2 = xr[..., : rot // 2], xr[..., rot // 2:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    return out if rot == x.shape[-1] else jnp.concatenate([out, x[..., rot:]], axis=-1)
+
+
+# ---------------------------------------------------------------------------- blocks
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        d, k, g, h = cfg.hidden_size, cfg.num_kv_heads, cfg.group_size, cfg.head_dim
+        self.k, self.g, self.h = k, g, h
+        self.qkv = _param(rngs, (d, k, g + 2, h), dtype, d ** -0.5)
+        self.qkv_bias = nnx.Param(jnp.zeros((k, g + 2, h), dtype)) if cfg.attention_bias else None
+        self.o = _param(rngs, (k * g, h, d), dtype, (k * g * h) ** -0.5)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(h, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
+            self.k_norm = RMSNorm(h, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        self.cfg = cfg
+
+    def __call__(self, x, positions, attend: Attend, layer, window):
+        b, t, _ = x.shape
+        qkv = jnp.einsum("btd,dkgh->btkgh", x, self.qkv[...])
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias[...]
+        q = qkv[:, :, :, : self.g].reshape(b, t, self.k * self.g, self.h)
+        k, v = qkv[:, :, :, self.g], qkv[:, :, :, self.g + 1]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq, scale = rope_inv_freq(self.cfg)
+        q = apply_rope(q, positions, inv_freq, scale)
+        k = apply_rope(k, positions, inv_freq, scale)
+        out = attend(layer, q, k, v, window)
+        return jnp.einsum("btnh,nhd->btd", out, self.o[...])
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_up = _param(rngs, (d, 2, f), dtype, d ** -0.5)
+        self.down = _param(rngs, (f, d), dtype, f ** -0.5)
+
+    def __call__(self, x):
+        gu = jnp.einsum("btd,dcf->btcf", x, self.gate_up[...])
+        return jnp.einsum("btf,fd->btd", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], self.down[...])
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        norm = dict(eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
+        self.input_norm = RMSNorm(cfg.hidden_size, **norm)
+        self.attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, **norm)
+        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, positions, attend: Attend, layer, window):
+        with jax.named_scope("attention"):
+            x = x + self.attn(self.input_norm(x), positions, attend, layer, window)
+        with jax.named_scope("mlp"):
+            return x + self.mlp(self.post_attn_norm(x))
+
+
+class Decoder(nnx.Module):
+    """The target model. `__call__` returns (final-normed hidden, pre-norm hidden)."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, v = cfg.hidden_size, cfg.vocab_size
+        self.embed = _param(rngs, (v, d), dtype, 1.0)
+        self.layers = nnx.List([Block(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(d, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else _param(rngs, (d, v), dtype, d ** -0.5)
+
+    def __call__(self, tokens, positions, attend: Attend):
+        x = self.embed[...][tokens]
+        for i, layer in enumerate(self.layers):
+            with jax.named_scope(f"layer{i}"):
+                x = layer(x, positions, attend, i, self.cfg.sliding_windows[i])
+        return self.final_norm(x), x
+
+    def head(self, normed):
+        """Logits in f32 for final-normed hidden states [..., d]."""
+        w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+        return jnp.einsum("...d,dv->...v", normed, w, preferred_element_type=jnp.float32)
+
+    def mtp_hidden(self, normed, pre_norm):
+        """The hidden the architecture hands to MTP module 1."""
+        return normed if self.cfg.mtp_hidden_from == "post_norm" else pre_norm
+
+
+# ------------------------------------------------------------ dense attention backends
+def dense_attention(q, k, v, q_pos, k_pos, k_valid, window, sm_scale=None):
+    """Reference attention on dense keys: q [b,t,n,h], k/v [b,s,k,h], positions per row.
+
+    Query at position p sees keys with k_pos <= p (and > p - window), where k_valid.
+    """
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    g = n // kh
+    sm_scale = h ** -0.5 if sm_scale is None else sm_scale
+    qg = q.reshape(b, t, kh, g, h).astype(jnp.float32)
+    s = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(jnp.float32)) * sm_scale
+    mask = (k_pos[:, None, :] <= q_pos[:, :, None]) & k_valid[:, None, :]
+    if window is not None:
+        mask &= k_pos[:, None, :] > q_pos[:, :, None] - window
+    mask = mask[:, None, None]
+    s = jnp.where(mask, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+    o = jnp.einsum("bkgts,bskh->btkgh", p, v.astype(jnp.float32))
+    return o.reshape(b, t, n, h).astype(q.dtype)
+
+
+def causal_attend(positions):
+    """Backend for a full-sequence forward with no cache (training, tests)."""
+    valid = jnp.ones(positions.shape, bool)
+
+    def attend(layer, q, k, v, window):
+        return dense_attention(q, k, v, positions, positions, valid, window)
+
+    return attend
+
+
+class DenseCache:
+    """A dense (non-paged) KV cache backend: per layer k/v [b, S, k, h] and lengths.
+
+    Used by the plain reference generator. Writes the new keys at their positions, then
+    attends over the cache; `caches` holds the updated arrays after the forward.
+    """
+
+    def __init__(self, caches, positions):
+        self.caches = list(caches)
+        self.positions = positions
+
+    @staticmethod
+    def init(num_layers, batch, max_len, kv_heads, head_dim, dtype):
+        z = jnp.zeros((batch, max_len, kv_heads, head_dim), dtype)
+        return [(z, z) for _ in range(num_layers)]
+
+    def __call__(self, layer, q, k, v, window):
+        kc, vc = self.caches[layer]
+        b, s = kc.shape[:2]
+        rows = jnp.arange(b)[:, None]
+        kc = kc.at[rows, self.positions].set(k.astype(kc.dtype), mode="drop")
+        vc = vc.at[rows, self.positions].set(v.astype(vc.dtype), mode="drop")
+        self.caches[layer] = (kc, vc)
+        k_pos = jnp.broadcast_to(jnp.arange(s), (b, s))
+        k_valid = k_pos <= jnp.max(self.positions, axis=1, keepdims=True)
+        return dense_attention(q, kc, vc, self.positions, k_pos, k_valid, window)

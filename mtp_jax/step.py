@@ -1,0 +1,373 @@
+"""DecodeState and the jitted programs over it: admit, prefill, the speculative step, the loop.
+
+The speculative step (fixed shapes, no host sync, no Python branch on data):
+  1. verify: target forward over [last token, d_1..d_K] at positions L-1..L+K-1, paged
+     attention with the bottom-right causal mask, KV written by slot mapping;
+  2. accept: greedy / rejection sampling / relaxed (sampling.accept) -> n drafts + 1 token;
+  3. emit the committed tokens into the output buffer, evaluate stop conditions on device
+     (stop ids, max tokens, max_model_len, NaN / Inf in a used logits row);
+  4. carry: `shift_draft_inputs` turns the history carry + verify outputs into the draft
+     window of the K+1 newest committed positions and the next carry;
+  5. draft K tokens for the next step with the chosen strategy (drafting.draft).
+Rollback is free: writes are position-indexed and attention is masked by length, so only
+the committed length moves. `run_steps` runs up to N steps in one `lax.while_loop`.
+
+Prefill (one request at a time, batch 1, chunk lengths bucketed to powers of two):
+`prefill_target` per chunk (writes target KV, returns the chunk's MTP hiddens),
+`prefill_mtp` per chunk of the history region (positions < a - K, a = prompt_len - 1),
+then `prefill_finish` samples the first token and runs the regular draft window.
+All programs take the state donated and are built by `programs(...)` for one static
+configuration, so nothing recompiles once each prefill bucket has been seen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pallas_kernels.shift_draft_inputs import shift_draft_inputs
+
+from .config import EngineConfig, ModelConfig, SpecConfig
+from .drafting import draft, mtp_prefill
+from .kv_cache import KVLayout, PagedKV, init_caches
+from .sampling import SALT_TARGET, accept, row_keys, sample
+
+FINISH_NONE, FINISH_STOP, FINISH_LENGTH, FINISH_ERROR = 0, 1, 2, 3
+
+
+@flax.struct.dataclass
+class SamplingState:
+    temperature: jax.Array  # [B] f32, 0 = greedy
+    top_k: jax.Array  # [B] int32, 0 = off
+    top_p: jax.Array  # [B] f32
+    seed: jax.Array  # [B, 2] uint32 (hi, lo)
+
+
+@flax.struct.dataclass
+class DecodeState:
+    # request bookkeeping, per slot
+    active: jax.Array  # [B] bool   slot holds an admitted request not yet collected
+    finish: jax.Array  # [B] int32  FINISH_* (0 while running)
+    length: jax.Array  # [B] int32  committed tokens L (prompt + generated)
+    last_token: jax.Array  # [B] int32  t_{L-1}: first input of the next verify
+    num_generated: jax.Array  # [B] int32
+    max_tokens: jax.Array  # [B] int32  generation budget
+    limit: jax.Array  # [B] int32  KV writes at positions >= limit are dropped
+    stop_ids: jax.Array  # [B, S] int32  stop token ids, -1 padded
+    sampling: SamplingState  # per-slot sampling params
+    relaxed: jax.Array  # [B] bool   request allows relaxed acceptance
+    think: jax.Array  # [B] bool   inside a thinking phase
+    # speculation
+    drafts: jax.Array  # [B, K] int32  drafts for the next verify
+    draft_logp: jax.Array  # [B, K, V] f32  their processed draft log-probs
+    hist_tokens: jax.Array  # [B, K] int32  carry: MTP input tokens t_{p+1}, p = a-K+1..a
+    hist_hidden: jax.Array  # [B, K, D]  carry: target hiddens H_p, same positions
+    # paged KV
+    caches: tuple  # per layer (target, then MTP) (k, v) [KVH, pages, page_size, hd]
+    block_tables: tuple  # per KV group [B, width] int32
+    # statistics and output
+    steps: jax.Array  # [B] int32  target verify forwards
+    accepted: jax.Array  # [B, K] int32  steps whose draft at depth d was accepted
+    out_tokens: jax.Array  # [B, T] int32  generated tokens
+    # prefill scratch for the request being admitted (index O + p for position p, O = K+1;
+    # rows below O are never written, so window rows before position 0 read zeros)
+    prefill_tokens: jax.Array  # [S] int32  prompt tokens t_i at O + i
+    prefill_hidden: jax.Array  # [S, D]  target MTP hiddens H_p at O + p
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """Everything the compiled programs specialise on."""
+
+    cfg: ModelConfig
+    spec: SpecConfig
+    eng: EngineConfig
+    layout: KVLayout
+
+    @property
+    def k(self) -> int:
+        return self.spec.k
+
+    @property
+    def offset(self) -> int:
+        """Scratch index of position 0 (room for the window's rows before the prompt)."""
+        return self.spec.k + 1
+
+    @property
+    def scratch_len(self) -> int:
+        return self.offset + self.eng.max_model_len + self.eng.prefill_chunk + self.spec.k + 1
+
+
+def init_state(st: Static, hidden_dtype) -> DecodeState:
+    cfg, eng, k = st.cfg, st.eng, st.k
+    b, v, d = eng.max_batch, cfg.vocab_size, cfg.hidden_size
+    zi = lambda *s: jnp.zeros(s, jnp.int32)  # noqa: E731
+    return DecodeState(
+        active=jnp.zeros((b,), bool), finish=zi(b), length=zi(b), last_token=zi(b),
+        num_generated=zi(b), max_tokens=zi(b), limit=zi(b),
+        stop_ids=jnp.full((b, eng.max_stop_ids), -1, jnp.int32),
+        sampling=SamplingState(jnp.zeros((b,), jnp.float32), zi(b),
+                               jnp.ones((b,), jnp.float32), jnp.zeros((b, 2), jnp.uint32)),
+        relaxed=jnp.zeros((b,), bool), think=jnp.zeros((b,), bool),
+        drafts=zi(b, k), draft_logp=jnp.zeros((b, k, v), jnp.float32),
+        hist_tokens=zi(b, k), hist_hidden=jnp.zeros((b, k, d), hidden_dtype),
+        caches=init_caches(st.layout),
+        block_tables=tuple(zi(b, st.layout.width) for _ in st.layout.groups),
+        steps=zi(b), accepted=zi(b, k), out_tokens=zi(b, eng.max_model_len),
+        prefill_tokens=zi(st.scratch_len), prefill_hidden=jnp.zeros((st.scratch_len, d),
+                                                                      hidden_dtype))
+
+
+def _where(mask, new, old):
+    """Per-slot select over matching pytrees (mask [B] broadcast over trailing dims)."""
+    def sel(n, o):
+        return jnp.where(mask.reshape(mask.shape + (1,) * (n.ndim - 1)), n, o)
+    return jax.tree_util.tree_map(sel, new, old)
+
+
+def _mtp_table(st: Static, block_tables):
+    g = st.layout.layer_group[st.cfg.num_layers] if st.k else 0
+    return block_tables[g]
+
+
+# ---------------------------------------------------------------------------- the step
+def decode_step(model, s: Static, st: DecodeState) -> DecodeState:
+    k, cfg, eng = s.k, s.cfg, s.eng
+    b = st.length.shape[0]
+    run = st.active & (st.finish == FINISH_NONE)
+    length = st.length
+    idx = jnp.arange(k + 1)
+    toks = jnp.concatenate([st.last_token[:, None], st.drafts], axis=1)  # [B, K+1]
+    pos = length[:, None] - 1 + idx  # [B, K+1]
+    limit = jnp.where(run, st.limit, 0)
+    kv = PagedKV(s.layout, st.caches, st.block_tables, limit, backend=eng.attention_backend)
+    with jax.named_scope("verify"):
+        normed, pre = model.target(toks, pos, kv.attend(pos, jnp.where(run, length + k, 0)))
+        logits = model.target.head(normed)  # [B, K+1, V] f32
+        hid = model.target.mtp_hidden(normed, pre)
+    with jax.named_scope("accept"):
+        sp = st.sampling
+        relaxed = None
+        if s.spec.relaxed_acceptance:
+            relaxed = (st.relaxed, st.think, s.spec.relaxed_topk, s.spec.relaxed_delta,
+                       s.spec.think_begin_id, s.spec.think_end_id)
+        n, new_toks, think = accept(logits, st.drafts, st.draft_logp, pos + 1, sp.seed,
+                                    sp.temperature, sp.top_k, sp.top_p, relaxed=relaxed)
+    with jax.named_scope("emit"):
+        m = n + 1
+        used = idx[None] <= n[:, None]
+        bad = jnp.any(used & ~jnp.all(jnp.isfinite(logits), axis=-1), axis=-1)
+        is_stop = jnp.any(new_toks[..., None] == st.stop_ids[:, None, :], -1) & used
+        first_stop = jnp.where(jnp.any(is_stop, -1), jnp.argmax(is_stop, -1), k + 1)
+        cap = jnp.minimum(jnp.minimum(m, st.max_tokens - st.num_generated),
+                          eng.max_model_len - length)
+        stopped = first_stop + 1 <= cap
+        emit = jnp.where(bad, 0, jnp.where(stopped, first_stop + 1, cap))
+        gen = st.num_generated + emit
+        at_len = (gen >= st.max_tokens) | (length + emit >= eng.max_model_len)
+        finish = jnp.where(bad, FINISH_ERROR, jnp.where(stopped, FINISH_STOP, jnp.where(
+            at_len, FINISH_LENGTH, FINISH_NONE)))
+        t_out = st.out_tokens.shape[1]
+        out_idx = jnp.where(run[:, None] & (idx[None] < emit[:, None]),
+                            st.num_generated[:, None] + idx[None], t_out)
+        out_tokens = st.out_tokens.at[jnp.arange(b)[:, None], out_idx].set(new_toks, mode="drop")
+    new_len = length + m
+    last = jnp.take_along_axis(new_toks, n[:, None], axis=1)[:, 0]
+    upd = dict(finish=finish, length=new_len, last_token=last, num_generated=gen,
+               steps=st.steps + 1, accepted=st.accepted + (jnp.arange(k)[None] < n[:, None]))
+    if think is not None:
+        upd["think"] = think
+    if k:
+        with jax.named_scope("shift"):
+            win_t, win_h, win_pos, _, hist_t, hist_h = shift_draft_inputs(
+                st.hist_tokens, st.hist_hidden, new_toks, hid.astype(st.hist_hidden.dtype), n,
+                length + n - 1, _mtp_table(s, st.block_tables), page_size=s.layout.page_size,
+                limit=limit)
+        with jax.named_scope("draft"):
+            drafts, logp = draft(model, s.spec.method, k, kv, win_t, win_h, win_pos, sp)
+        upd.update(drafts=drafts, draft_logp=logp, hist_tokens=hist_t, hist_hidden=hist_h)
+    fields = {f: getattr(st, f) for f in upd}
+    merged = _where(run, upd, fields)
+    return st.replace(caches=tuple(kv.caches), out_tokens=out_tokens, **merged)
+
+
+def run_steps(model, s: Static, st: DecodeState, num_steps) -> DecodeState:
+    def cond(c):
+        i, st = c
+        return (i < num_steps) & jnp.any(st.active & (st.finish == FINISH_NONE))
+
+    def body(c):
+        i, st = c
+        return i + 1, decode_step(model, s, st)
+
+    return jax.lax.while_loop(cond, body, (jnp.int32(0), st))[1]
+
+
+# ------------------------------------------------------------------------------- admit
+def admit(s: Static, st: DecodeState, slot, prompt, limit, max_tokens, stop_ids, temperature,
+          top_k, top_p, seed, relaxed, table_rows, zero_pages) -> DecodeState:
+    """Put a request into `slot` (its block-table rows [groups, width] already reserved).
+
+    prompt [S] int32: the prompt placed at scratch offset O. zero_pages [n] int32: pages
+    whose per_step MTP-module KV (modules after the first) must read as zeros, padded
+    with the null page 0.
+    """
+    def put(arr, val):
+        return arr.at[slot].set(val)
+
+    sp = st.sampling
+    caches = list(st.caches)
+    if s.spec.method == "per_step" and s.k > 1:
+        for layer in range(s.cfg.num_layers + 1, s.cfg.num_layers + s.k):
+            kp, vp = caches[layer]
+            caches[layer] = (kp.at[:, zero_pages].set(0), vp.at[:, zero_pages].set(0))
+    return st.replace(
+        active=put(st.active, True), finish=put(st.finish, FINISH_NONE), length=put(st.length, 0),
+        num_generated=put(st.num_generated, 0), max_tokens=put(st.max_tokens, max_tokens),
+        limit=put(st.limit, limit), stop_ids=put(st.stop_ids, stop_ids),
+        sampling=SamplingState(put(sp.temperature, temperature), put(sp.top_k, top_k),
+                               put(sp.top_p, top_p), put(sp.seed, seed)),
+        relaxed=put(st.relaxed, relaxed), think=put(st.think, False),
+        steps=put(st.steps, 0), accepted=put(st.accepted, 0),
+        block_tables=tuple(put(bt, table_rows[g]) for g, bt in enumerate(st.block_tables)),
+        caches=tuple(caches), prefill_tokens=prompt)
+
+
+def release(st: DecodeState, mask) -> DecodeState:
+    """Mark slots [B] bool as free (their pages are released on the host)."""
+    return st.replace(active=st.active & ~mask)
+
+
+# ----------------------------------------------------------------------------- prefill
+def _slot_kv(s: Static, st: DecodeState, slot, limit):
+    tables = tuple(jax.lax.dynamic_slice_in_dim(bt, slot, 1, 0) for bt in st.block_tables)
+    limit = jnp.minimum(st.limit[slot], limit)[None]
+    return PagedKV(s.layout, st.caches, tables, limit, backend=s.eng.attention_backend)
+
+
+def prefill_target(model, s: Static, st: DecodeState, slot, start, valid, chunk: int):
+    """Target over prompt positions start..start+chunk-1 (the first `valid` are real).
+
+    Writes the target KV and the MTP hiddens into the scratch; returns (state, logits of
+    the last valid row [V])."""
+    o = s.offset
+    tokens = jax.lax.dynamic_slice_in_dim(st.prefill_tokens, o + start, chunk)[None]
+    pos = (start + jnp.arange(chunk))[None]
+    kv = _slot_kv(s, st, slot, start + valid)
+    normed, pre = model.target(tokens, pos, kv.attend(pos, (start + chunk)[None]))
+    logits = model.target.head(jax.lax.dynamic_index_in_dim(normed[0], valid - 1, 0, False))
+    hid = model.target.mtp_hidden(normed, pre)[0].astype(st.prefill_hidden.dtype)
+    scratch = jax.lax.dynamic_update_slice_in_dim(st.prefill_hidden, hid, o + start, 0)
+    return st.replace(caches=tuple(kv.caches), prefill_hidden=scratch), logits
+
+
+def prefill_mtp(model, s: Static, st: DecodeState, slot, start, history_end, chunk: int):
+    """MTP caches over prompt positions start..start+chunk-1; writes at >= history_end
+    (the first position of the final draft window) are dropped."""
+    o, k = s.offset, s.k
+    tokens_ext = jax.lax.dynamic_slice_in_dim(st.prefill_tokens, o + start + 1, chunk + k)
+    hidden_ext = jax.lax.dynamic_slice_in_dim(st.prefill_hidden, o + start, chunk + k)
+    pos = (start + jnp.arange(chunk))[None]
+    kv = _slot_kv(s, st, slot, history_end)
+    mtp_prefill(model, s.spec.method, k, kv, tokens_ext[None], hidden_ext[None], pos,
+                (start + chunk)[None])
+    return st.replace(caches=tuple(kv.caches))
+
+
+def prefill_finish(model, s: Static, st: DecodeState, slot, logits, prompt_len):
+    """Sample the first token; draft from the window of positions a-K..a (a = P - 1)."""
+    k, o = s.k, s.offset
+    sp = jax.tree_util.tree_map(lambda x: jax.lax.dynamic_index_in_dim(x, slot, 0, True),
+                                st.sampling)
+    keys = row_keys(sp.seed, prompt_len[None, None], SALT_TARGET)[:, 0]
+    first, _ = sample(logits[None], sp.temperature, sp.top_k, sp.top_p, keys)
+    first = first[0]
+    bad = ~jnp.all(jnp.isfinite(logits))
+    length = prompt_len + 1
+    stop = jnp.any(st.stop_ids[slot] == first)
+    at_len = (st.max_tokens[slot] <= 1) | (length >= s.eng.max_model_len)
+    finish = jnp.where(bad, FINISH_ERROR, jnp.where(stop, FINISH_STOP, jnp.where(
+        at_len, FINISH_LENGTH, FINISH_NONE)))
+    upd = dict(length=st.length.at[slot].set(length),
+               last_token=st.last_token.at[slot].set(first),
+               num_generated=st.num_generated.at[slot].set(jnp.where(bad, 0, 1)),
+               finish=st.finish.at[slot].set(finish),
+               out_tokens=st.out_tokens.at[slot, 0].set(first))
+    if k:
+        a = prompt_len - 1
+        win_t = jax.lax.dynamic_slice_in_dim(st.prefill_tokens, o + a - k + 1, k + 1)
+        win_t = win_t.at[k].set(first)[None]
+        win_h = jax.lax.dynamic_slice_in_dim(st.prefill_hidden, o + a - k, k + 1)[None]
+        win_pos = (a - k + jnp.arange(k + 1))[None]
+        kv = _slot_kv(s, st, slot, st.limit[slot])
+        drafts, logp = draft(model, s.spec.method, k, kv, win_t, win_h, win_pos, sp)
+        upd.update(drafts=st.drafts.at[slot].set(drafts[0]),
+                   draft_logp=st.draft_logp.at[slot].set(logp[0]),
+                   hist_tokens=st.hist_tokens.at[slot].set(win_t[0, 1:]),
+                   hist_hidden=st.hist_hidden.at[slot].set(win_h[0, 1:]),
+                   caches=tuple(kv.caches))
+    return st.replace(**upd)
+
+
+# ---------------------------------------------------------------------------- programs
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    """The jitted programs for one static configuration (state donated everywhere)."""
+
+    static: Static
+    graphdef: object
+
+    def _merge(self, params):
+        return nnx.merge(self.graphdef, params)
+
+    @functools.cached_property
+    def run_steps(self):
+        @functools.partial(jax.jit, donate_argnums=(1,))
+        def f(params, st, num_steps):
+            return run_steps(self._merge(params), self.static, st, num_steps)
+        return f
+
+    @functools.cached_property
+    def admit(self):
+        return jax.jit(functools.partial(admit, self.static), donate_argnums=(0,))
+
+    @functools.cached_property
+    def release(self):
+        return jax.jit(release, donate_argnums=(0,))
+
+    @functools.cached_property
+    def prefill_target(self):
+        @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("chunk",))
+        def f(params, st, slot, start, valid, *, chunk):
+            return prefill_target(self._merge(params), self.static, st, slot, start, valid, chunk)
+        return f
+
+    @functools.cached_property
+    def prefill_mtp(self):
+        @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("chunk",))
+        def f(params, st, slot, start, history_end, *, chunk):
+            return prefill_mtp(self._merge(params), self.static, st, slot, start, history_end,
+                               chunk)
+        return f
+
+    @functools.cached_property
+    def prefill_finish(self):
+        @functools.partial(jax.jit, donate_argnums=(1,))
+        def f(params, st, slot, logits, prompt_len):
+            return prefill_finish(self._merge(params), self.static, st, slot, logits, prompt_len)
+        return f
+
+
+def programs(static: Static, graphdef) -> Programs:
+    return Programs(static, graphdef)
+
+
+__all__ = ["DecodeState", "SamplingState", "Static", "Programs", "programs", "init_state",
+           "decode_step", "run_steps", "FINISH_NONE", "FINISH_STOP", "FINISH_LENGTH",
+           "FINISH_ERROR"]
