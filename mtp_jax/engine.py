@@ -98,11 +98,10 @@ class Engine:
 
     # ----------------------------------------------------------------- compile
     def buckets(self) -> list[int]:
-        c, out = 16, []
-        while c < self.config.prefill_chunk:
-            out.append(c)
-            c *= 2
-        return out + [self.config.prefill_chunk]
+        """Prefill chunk lengths: powers of two from 16 up to the largest one needed."""
+        top = min(self.config.prefill_chunk,
+                  max(16, 1 << (self.config.max_model_len - 1).bit_length()))
+        return sorted({self._bucket(1 << i) for i in range(top.bit_length())} | {top})
 
     def warmup(self) -> float:
         """Compile every program (all prefill buckets) on an idle slot; returns seconds."""
@@ -134,20 +133,18 @@ class Engine:
         """A clear message if the request can never run, else None."""
         cfg, eng = self.model.config, self.config
         ids = req.prompt_ids
-        if not isinstance(ids, (list, tuple, np.ndarray)) or len(ids) == 0:
-            return "empty prompt"
-        try:
-            arr = np.asarray(ids)
-        except (ValueError, TypeError):
+        if isinstance(ids, np.ndarray):
+            ids = ids.tolist()
+        if not isinstance(ids, (list, tuple)) or len(ids) == 0:
+            return "empty prompt" if isinstance(ids, (list, tuple)) else \
+                "prompt_ids must be a list of integers"
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
             return "prompt_ids must be a list of integers"
-        if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == bool) \
-                or arr.dtype == bool:
-            return "prompt_ids must be a list of integers"
-        if arr.min() < 0 or arr.max() >= cfg.vocab_size:
-            bad = int(arr[(arr < 0) | (arr >= cfg.vocab_size)][0])
-            return f"token id {bad} is outside the vocabulary [0, {cfg.vocab_size})"
-        if len(arr) >= eng.max_model_len:
-            return (f"prompt has {len(arr)} tokens; max_model_len is {eng.max_model_len} "
+        bad = [int(t) for t in ids if not 0 <= t < cfg.vocab_size]
+        if bad:
+            return f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})"
+        if len(ids) >= eng.max_model_len:
+            return (f"prompt has {len(ids)} tokens; max_model_len is {eng.max_model_len} "
                     "(prompt + at least one generated token must fit)")
         stops = self._stop_ids(req)
         if len(stops) > eng.max_stop_ids:
@@ -188,7 +185,8 @@ class Engine:
             self.state, jnp.int32(slot), buf, jnp.int32(min(tokens, eng.max_model_len + s.k)),
             jnp.int32(self._budget(req)), stops, jnp.float32(sp.temperature),
             jnp.int32(sp.top_k), jnp.float32(sp.top_p),
-            np.asarray(split_seed(sp.seed), np.uint32), jnp.bool_(sp.relaxed), rows, full)
+            np.asarray(split_seed(sp.seed), np.uint32), jnp.bool_(sp.relaxed),
+            jnp.bool_(self._thinking(prompt)), rows, full)
         sl = jnp.int32(slot)
         start, logits = 0, None
         while start < plen:
@@ -206,9 +204,16 @@ class Engine:
                 start += n
         self.state = self.progs.prefill_finish(p, st, sl, logits, jnp.int32(plen))
 
+    def _thinking(self, prompt) -> bool:
+        """Whether the prompt leaves the request inside a thinking phase."""
+        spec = self.spec
+        if not spec.relaxed_acceptance:
+            return False
+        marks = [t for t in prompt.tolist() if t in (spec.think_begin_id, spec.think_end_id)]
+        return bool(marks) and marks[-1] == spec.think_begin_id
+
     def _bucket(self, n: int) -> int:
-        return max(16, 1 << (n - 1).bit_length()) if n < self.config.prefill_chunk else \
-            self.config.prefill_chunk
+        return min(self.config.prefill_chunk, max(16, 1 << (n - 1).bit_length()))
 
     def _fill_slots(self, out: list) -> None:
         for slot in range(self.config.max_batch):
@@ -300,9 +305,11 @@ class Engine:
     # --------------------------------------------------------------------- API
     def stream(self, requests: Iterable[Request]) -> Iterator[Result]:
         """Run requests with continuous batching; yield each Result as it finishes."""
-        self.warmup()
         for r in requests:
             self.queue.append(r)
+        if not self.queue:
+            return
+        self.warmup()
         while self.queue or any(x is not None for x in self.slots):
             out = []
             self._fill_slots(out)
@@ -329,17 +336,10 @@ class Engine:
                     raise ConfigError("text prompts need a tokenizer (tokenizer.json)")
                 p = self.model.tokenizer.encode(p).ids
             reqs.append(Request(i, list(p), sampling or SamplingParams()))
-        by_id = {}
-        order = [id(r) for r in reqs]
-        key = {id(r): r.id for r in reqs}
-        results = {}
+        results: dict = {}
         for res in self.stream(reqs):
             results.setdefault(res.id, []).append(res)
-        out = []
-        for r in reqs:
-            out.append(results[key[id(r)]].pop(0))
-        del by_id, order
-        return out
+        return [results[r.id].pop(0) for r in reqs]  # ids may repeat: first come, first out
 
 
 __all__ = ["Engine", "Request", "Result"]

@@ -211,10 +211,11 @@ def run_steps(model, s: Static, st: DecodeState, num_steps) -> DecodeState:
 
 # ------------------------------------------------------------------------------- admit
 def admit(s: Static, st: DecodeState, slot, prompt, limit, max_tokens, stop_ids, temperature,
-          top_k, top_p, seed, relaxed, table_rows, zero_pages) -> DecodeState:
+          top_k, top_p, seed, relaxed, think, table_rows, zero_pages) -> DecodeState:
     """Put a request into `slot` (its block-table rows [groups, width] already reserved).
 
-    prompt [S] int32: the prompt placed at scratch offset O. zero_pages [n] int32: pages
+    prompt [S] int32: the prompt placed at scratch offset O. think: the prompt leaves the
+    request inside a thinking phase (relaxed acceptance). zero_pages [n] int32: pages
     whose per_step MTP-module KV (modules after the first) must read as zeros, padded
     with the null page 0.
     """
@@ -233,7 +234,7 @@ def admit(s: Static, st: DecodeState, slot, prompt, limit, max_tokens, stop_ids,
         limit=put(st.limit, limit), stop_ids=put(st.stop_ids, stop_ids),
         sampling=SamplingState(put(sp.temperature, temperature), put(sp.top_k, top_k),
                                put(sp.top_p, top_p), put(sp.seed, seed)),
-        relaxed=put(st.relaxed, relaxed), think=put(st.think, False),
+        relaxed=put(st.relaxed, relaxed), think=put(st.think, think),
         steps=put(st.steps, 0), accepted=put(st.accepted, 0),
         block_tables=tuple(put(bt, table_rows[g]) for g, bt in enumerate(st.block_tables)),
         caches=tuple(caches), prefill_tokens=prompt)

@@ -1,0 +1,264 @@
+"""Benchmark paged attention against the XLA reference, JAX's bundled GPU kernel and the
+device's copy bandwidth, all measured in the same run.
+
+  PYTHONPATH=. python launch/bench_paged_attention.py [--sweep] [--reps 5]
+
+Shapes: bf16, Hq=32, KVH=8, D=128, page 16, pages in a random permutation of the pool,
+every row at kv_len = ctx. Bandwidth counts the K+V bytes attended:
+  bytes = B * ctx * KVH * D * 2 (K and V) * 2 (bf16)
+Each figure times N calls inside one jitted fori_loop (the output feeds the next call's
+q, so no call can be hoisted) and divides by N; best and median of --reps loops, after a
+warm-up that also reports compile time. The copy bandwidth (the denominator) is the best
+of torch `dst.copy_(src)` and a jitted XLA `x + 1` on 4 GiB, counting read + write bytes.
+With $OUT set, the table (markdown) and raw results (JSON) are written there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+
+from pallas_kernels.paged_attention import (  # noqa: E402
+    BlockConfig, default_block_config, paged_attention, paged_attention_reference)
+
+HQ, KVH, D, PAGE = 32, 8, 128, 16
+SHAPES = [(1, 4096), (8, 4096), (64, 4096), (32, 16384)]
+COPY_BYTES = 4 << 30
+
+
+def log(*a):
+  print(*a, flush=True)
+
+
+def copy_bandwidth(reps=10):
+  """Best read+write bandwidth of a 4 GiB device copy: {method: bytes/s}."""
+  out = {}
+  try:
+    import torch  # lazy: only the benchmark uses torch, and only for this
+    src = torch.ones(COPY_BYTES // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+      a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+      a.record()
+      dst.copy_(src)
+      b.record()
+      b.synchronize()
+      times.append(a.elapsed_time(b) / 1e3)
+    out["torch dst.copy_(src)"] = 2 * COPY_BYTES / min(times)
+    del src, dst
+    torch.cuda.empty_cache()
+  except Exception as e:  # no torch / no CUDA torch: the XLA figure stands alone
+    log(f"torch copy unavailable: {type(e).__name__}: {e}")
+  x = jnp.ones((COPY_BYTES // 2,), jnp.bfloat16)
+  f = jax.jit(lambda x: x + 1)
+  f(x).block_until_ready()
+  times = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    f(x).block_until_ready()
+    times.append(time.perf_counter() - t)
+  out["XLA x + 1"] = 2 * COPY_BYTES / min(times)
+  del x
+  return out
+
+
+def make_inputs(batch, ctx, q_len, key):
+  """Pool of exactly the pages needed, in random order; every row at kv_len = ctx."""
+  pages_per_seq = ctx // PAGE
+  num_pages = batch * pages_per_seq
+  kq, kk, kv, kp = jax.random.split(key, 4)
+  q = jax.random.normal(kq, (batch, q_len, HQ, D), jnp.bfloat16)
+  k = jax.random.normal(kk, (KVH, num_pages, PAGE, D), jnp.bfloat16)
+  v = jax.random.normal(kv, (KVH, num_pages, PAGE, D), jnp.bfloat16)
+  tables = jax.random.permutation(kp, num_pages).reshape(batch, pages_per_seq)
+  kv_lens = jnp.full((batch,), ctx, jnp.int32)
+  return q, k, v, tables.astype(jnp.int32), kv_lens
+
+
+def bundled_fn():
+  """JAX's bundled Pallas GPU paged attention as fn(q[B,1,Hq,D], ...) -> [B,1,Hq,D]."""
+  from jax.experimental.pallas.ops.gpu import paged_attention as bundled
+  params = list(inspect.signature(bundled.paged_attention).parameters)
+  log(f"bundled signature: {params}")
+  names = ("q", "k_pages", "v_pages", "block_tables", "lengths")
+
+  def fn(q, k, v, tables, kv_lens):
+    args = (q[:, 0], k, v, tables, kv_lens)
+    if all(n in params for n in names):
+      out = bundled.paged_attention(**dict(zip(names, args)))
+    else:
+      out = bundled.paged_attention(*args)
+    return out[:, None]
+  return fn
+
+
+def time_per_call(fn, args, n, reps):
+  """(compile_s, best_s, median_s) per call of fn, N calls chained in one fori_loop."""
+  q, rest = args[0], args[1:]
+  loop = jax.jit(lambda q, *rest: lax.fori_loop(
+      0, n, lambda _, q: fn(q, *rest).astype(q.dtype), q))
+  t = time.perf_counter()
+  compiled = loop.lower(q, *rest).compile()
+  compile_s = time.perf_counter() - t
+  compiled(q, *rest).block_until_ready()
+  times = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    compiled(q, *rest).block_until_ready()
+    times.append((time.perf_counter() - t) / n)
+  return compile_s, min(times), statistics.median(times)
+
+
+def ours(cfg=None):
+  return lambda q, k, v, t, l: paged_attention(q, k, v, t, l, backend="gpu", block_config=cfg)
+
+
+def reference(q, k, v, t, l):
+  return paged_attention_reference(q, k, v, t, l)
+
+
+def sweep(results, reps, key):
+  """Time a few block configs on the target shapes (prints; the defaults come from here)."""
+  def run(batch, ctx, q_len, cfg):
+    args = make_inputs(batch, ctx, q_len, key)
+    n = iters(batch, ctx)
+    try:
+      _, best, med = time_per_call(ours(cfg), args, n, reps)
+      tbs = kv_bytes(batch, ctx) / best / 1e12
+      log(f"sweep B={batch} ctx={ctx} Q={q_len} {cfg}: {best * 1e6:.1f} us, {tbs:.2f} TB/s")
+      results.append(dict(batch=batch, ctx=ctx, q_len=q_len, cfg=str(cfg), best_s=best,
+                          median_s=med, tbs=tbs))
+      return best
+    except Exception as e:
+      log(f"sweep B={batch} ctx={ctx} Q={q_len} {cfg}: FAILED {type(e).__name__}: "
+          f"{str(e)[:300]}")
+      return float("inf")
+
+  timed = {}
+  grid = [(8, 4, 1), (8, 4, 2), (8, 4, 3), (8, 4, 4), (8, 8, 2), (8, 8, 3), (8, 8, 4),
+          (4, 4, 2), (4, 4, 3), (4, 4, 4), (4, 8, 3), (4, 8, 4),
+          (16, 4, 2), (16, 8, 2), (16, 8, 3), (2, 4, 4)]
+  for ppb, warps, stages in grid:
+    cfg = BlockConfig(pages_per_block=ppb, num_warps=warps, num_stages=stages)
+    timed[cfg] = run(64, 4096, 1, cfg)
+  top = sorted(timed, key=timed.get)[:3]
+  for cfg in top:
+    run(64, 4096, 4, cfg)
+  best = top[0]
+  for batch, ctx, splits in ((1, 4096, (8, 16, 32)), (8, 4096, (2, 4, 8)),
+                             (32, 16384, (1, 2, 4)), (64, 4096, (2,))):
+    for s in splits:
+      run(batch, ctx, 1, dataclasses.replace(best, num_splits=s))
+
+
+def kv_bytes(batch, ctx):
+  return batch * ctx * KVH * D * 2 * 2
+
+
+def iters(batch, ctx):
+  return int(min(500, max(10, 0.03 * 3e12 / kv_bytes(batch, ctx))))
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--reps", type=int, default=5)
+  ap.add_argument("--sweep", action="store_true", help="also time a grid of block configs")
+  ap.add_argument("--no-table", action="store_true", help="skip the main table")
+  opts = ap.parse_args()
+  out_dir = os.environ.get("OUT")
+  dev = jax.devices()[0]
+  import jaxlib
+  header = (f"device: {dev.device_kind}; jax {jax.__version__}, jaxlib {jaxlib.__version__}; "
+            f"python {sys.version.split()[0]}")
+  log(header)
+
+  copy = copy_bandwidth()
+  denom_method = max(copy, key=copy.get)
+  denom = copy[denom_method]
+  for m, bw in copy.items():
+    log(f"copy bandwidth, {m}: {bw / 1e12:.2f} TB/s")
+
+  key = jax.random.key(0)
+  try:
+    bundled = bundled_fn()
+  except Exception as e:
+    log(f"bundled kernel unavailable: {e}")
+    bundled = None
+  rows, raw = [], []
+  for batch, ctx in [] if opts.no_table else SHAPES:
+    per_q = {}
+    for q_len in (1, 4):
+      args = make_inputs(batch, ctx, q_len, key)
+      n = iters(batch, ctx)
+      cfg = default_block_config(batch, q_len, HQ, KVH, PAGE, ctx // PAGE, "gpu")
+      err = float(jnp.abs(ours()(*args).astype(jnp.float32)
+                          - reference(*args).astype(jnp.float32)).max())
+      entry = dict(batch=batch, ctx=ctx, q_len=q_len, config=str(cfg), max_abs_err=err,
+                   bytes=kv_bytes(batch, ctx), iters=n)
+      methods = [("ours", ours()), ("xla_reference", reference)]
+      if q_len == 1 and bundled is not None:
+        methods.append(("bundled", bundled))
+      for name, fn in methods:
+        try:
+          compile_s, best, med = time_per_call(fn, args, n, opts.reps)
+          entry[name] = dict(compile_s=compile_s, best_s=best, median_s=med,
+                             tbs=kv_bytes(batch, ctx) / best / 1e12)
+        except Exception as e:
+          log(f"{name} B={batch} ctx={ctx} Q={q_len} failed: {type(e).__name__}: "
+              f"{str(e)[:500]}")
+          entry[name] = None
+      per_q[q_len] = entry
+      raw.append(entry)
+      log(json.dumps(entry))
+      del args
+    ratio = (per_q[4]["ours"]["best_s"] / per_q[1]["ours"]["best_s"]
+             if per_q[1].get("ours") and per_q[4].get("ours") else float("nan"))
+    for q_len, e in per_q.items():
+      def cell(r):
+        if not r:
+          return "n/a"
+        return f"{r['tbs']:.2f} ({100 * r['tbs'] * 1e12 / denom:.0f} %)"
+      us = f"{e['ours']['best_s'] * 1e6:.1f} / {e['ours']['median_s'] * 1e6:.1f}" \
+          if e.get("ours") else "n/a"
+      rows.append(f"| {batch} | {ctx} | {q_len} | {cell(e.get('ours'))} | {us} | "
+                  f"{cell(e.get('xla_reference'))} | {cell(e.get('bundled'))} | "
+                  f"{ratio:.2f} | {e['max_abs_err']:.1e} |")
+
+  table = "\n".join([
+      header,
+      f"copy bandwidth (denominator): {denom / 1e12:.2f} TB/s from {denom_method} "
+      f"(all: {', '.join(f'{m} {b / 1e12:.2f}' for m, b in copy.items())})",
+      "",
+      "| B | ctx | Q | ours TB/s (% copy) | ours us best / median | XLA reference TB/s "
+      "| bundled Pallas TB/s | ours Q=4 / Q=1 time | max abs err vs ref |",
+      "|---|---|---|---|---|---|---|---|---|",
+      *rows,
+  ])
+  log("\n" + table)
+  sweep_results = []
+  if opts.sweep:
+    sweep(sweep_results, opts.reps, key)
+  if out_dir:
+    with open(os.path.join(out_dir, "bench_paged_attention.md"), "w") as f:
+      f.write(table + "\n")
+    with open(os.path.join(out_dir, "bench_paged_attention.json"), "w") as f:
+      json.dump(dict(header=header, copy=copy, results=raw, sweep=sweep_results), f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,319 @@
+"""Offline batch generation: `python -m mtp_jax.generate --input in.jsonl --output out.jsonl`.
+
+Each input line is `{"id": ..., "prompt": "..."}` or `{"id": ..., "prompt_ids": [...]}`
+with optional `max_tokens`, `temperature`, `top_p`, `top_k`, `seed` and `stop` (a string
+or a list of strings, added to `--stop`); these override the command-line defaults. Each
+line gets exactly one output record, appended whole and flushed as soon as it is known:
+results in the order requests finish, error records (`{"id": ..., "error": ...}`) as soon
+as a line is found unrunnable. A line without a usable id is called `line N` (1-based).
+Ids need not be unique (each line still gets its own record), but `--resume`, which skips
+every id already in the output file, error records included, treats equal ids as one.
+Progress and the summary go to stderr. The exit status is non-zero only when nothing can
+run: no model, an unreadable input, an unwritable output, or an invalid engine setup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from .checkpoint import CheckpointError, load
+from .config import METHODS, ConfigError, EngineConfig, SamplingParams, SpecConfig
+from .engine import Engine, Request
+
+DEFAULT_MODEL_ENV = "MTP_JAX_DEFAULT_MODEL"  # overrides the shipped checkpoints/ folder
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+
+
+class LineError(ValueError):
+    """Why one input line cannot run."""
+
+
+def default_model_dir() -> tuple[Path, Optional[Path]]:
+    """(the folder searched, the model in it): itself if it holds a config.json, else its
+    single subfolder holding one, else None."""
+    root = Path(os.environ.get(DEFAULT_MODEL_ENV) or
+                Path(__file__).resolve().parent.parent / "checkpoints")
+    if (root / "config.json").is_file():
+        return root, root
+    subs = [p for p in sorted(root.iterdir()) if (p / "config.json").is_file()] \
+        if root.is_dir() else []
+    return root, (subs[0] if len(subs) == 1 else None)
+
+
+def _is_scalar(x) -> bool:
+    return isinstance(x, (str, int)) or (isinstance(x, float) and math.isfinite(x))
+
+
+def _key(rid) -> str:
+    """Type-exact identity of an id (so 1, 1.0, true and "1" stay distinct)."""
+    return json.dumps(rid, sort_keys=True)
+
+
+def build_request(obj, tokenizer, defaults: SamplingParams):
+    """(prompt ids, SamplingParams) for one parsed line, or LineError saying why not."""
+    if not isinstance(obj, dict):
+        raise LineError(f"a line must be a JSON object, got {type(obj).__name__}")
+    if obj.get("id") is not None and not _is_scalar(obj["id"]):
+        raise LineError("id must be a string, a number or a boolean")
+    if "prompt" in obj and "prompt_ids" in obj:
+        raise LineError("give prompt (text) or prompt_ids (token ids), not both")
+    if "prompt" not in obj and "prompt_ids" not in obj:
+        raise LineError("missing prompt: give prompt (text) or prompt_ids (token ids)")
+    if "prompt" in obj:
+        text = obj["prompt"]
+        if not isinstance(text, str):
+            raise LineError(f"prompt must be a string, got {type(text).__name__}")
+        if not text:
+            raise LineError("empty prompt")
+        if tokenizer is None:
+            raise LineError("text prompt, but the model has no tokenizer.json: give prompt_ids")
+        try:
+            ids = tokenizer.encode(text).ids
+        except Exception as e:  # the tokenizer raises its own types
+            raise LineError(f"the prompt could not be tokenized: {e}") from None
+        if not ids:
+            raise LineError("the prompt encodes to no tokens")
+    else:
+        ids = obj["prompt_ids"]
+        if not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise LineError("prompt_ids must be a list of integers")
+        if not ids:
+            raise LineError("empty prompt_ids")
+    stop = obj.get("stop", [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise LineError("stop must be a non-empty string or a list of them")
+    stop = tuple(dict.fromkeys(defaults.stop + tuple(stop)))
+    if stop and tokenizer is None:
+        raise LineError("stop strings need a tokenizer (the model has no tokenizer.json)")
+    try:
+        sp = dataclasses.replace(defaults, stop=stop,
+                                 **{k: obj[k] for k in SAMPLING_FIELDS if k in obj})
+    except ConfigError as e:
+        raise LineError(f"invalid sampling values: {e}") from None
+    return ids, sp
+
+
+def read_lines(data: bytes):
+    """(parsed object or LineError, id) for every non-blank line of the input."""
+    for n, raw in enumerate(data.split(b"\n"), 1):
+        if not raw.strip():
+            continue
+        bad = None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:  # still parse what we can, to find the id
+            text = raw.decode("utf-8", errors="replace")
+            bad = LineError(f"the line is not valid UTF-8 (byte {raw[e.start]:#04x} at "
+                            f"offset {e.start})")
+        try:
+            obj = json.loads(text)
+        except (json.JSONDecodeError, RecursionError) as e:
+            obj, bad = None, bad or LineError(f"malformed JSON: {e}")
+        rid = obj.get("id") if isinstance(obj, dict) else None
+        yield bad or obj, rid if rid is not None and _is_scalar(rid) else f"line {n}"
+
+
+def done_ids(path: str) -> tuple[set, bool]:
+    """Ids recorded in an existing output file, and whether it ends in a torn line."""
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        return set(), False
+    ids = set()
+    for raw in data.split(b"\n"):
+        try:
+            rec = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            continue  # a torn or foreign line: as if absent
+        if isinstance(rec, dict) and "id" in rec:
+            ids.add(_key(rec["id"]))
+    return ids, bool(data) and not data.endswith(b"\n")
+
+
+def record(rid, res, has_tokenizer: bool) -> dict:
+    if res.error and not res.token_ids:  # it never ran
+        return {"id": rid, "error": res.error}
+    rec = {"id": rid, **({"text": res.text} if has_tokenizer else {}),
+           "token_ids": res.token_ids, "finish_reason": res.finish_reason,
+           "num_prompt_tokens": res.num_prompt_tokens,
+           "num_generated_tokens": res.num_generated_tokens,
+           "mean_accepted_length": round(res.mean_accepted_length, 4),
+           "acceptance_per_depth": [round(a, 4) for a in res.acceptance_per_depth]}
+    return {**rec, "error": res.error} if res.error else rec
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m mtp_jax.generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="HF-layout or mtp_jax orbax folder (default: the shipped "
+                                   "model in checkpoints/)")
+    p.add_argument("--input", required=True, help="JSONL prompts, or - for stdin")
+    p.add_argument("--output", required=True, help="JSONL results, or - for stdout")
+    p.add_argument("--method", choices=METHODS, help="draft strategy (default chain; none "
+                                                     "for a model without MTP modules)")
+    p.add_argument("--num-speculative-tokens", type=int, metavar="K",
+                   help="drafts per step (default: min(3, MTP modules); 3 for eagle)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--stop", nargs="+", action="extend", default=[], metavar="STR",
+                   help="stop strings for every line (added to a line's own)")
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--max-model-len", type=int,
+                   help="default: min(2048, the model's max_position_embeddings)")
+    p.add_argument("--resume", action="store_true", help="skip ids already in --output")
+    args = p.parse_args(argv)
+    if args.resume and args.output == "-":
+        p.error("--resume needs an output file, not stdout")
+    try:
+        args.defaults = SamplingParams(
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop))
+    except ConfigError as e:
+        p.error(str(e))
+    return args
+
+
+class Fatal(Exception):
+    """Nothing can run (exit status 1)."""
+
+
+def make_engine(args):
+    """(model folder, model, Engine) from the command line, or Fatal saying why not."""
+    if args.model:
+        model_dir = Path(args.model)
+    else:
+        searched, model_dir = default_model_dir()
+        if model_dir is None:
+            raise Fatal(f"no --model given and no shipped model in {searched} (it needs a "
+                        "config.json, or a single subfolder with one). Pass --model PATH: "
+                        "an HF-layout folder or an orbax folder written by mtp_jax.")
+    try:
+        model = load(str(model_dir))
+    except (CheckpointError, ConfigError, OSError) as e:
+        raise Fatal(f"cannot load model {model_dir}: {e}") from None
+    cfg = model.config
+    if args.stop and model.tokenizer is None:
+        raise Fatal("--stop needs a tokenizer and the model has no tokenizer.json")
+    method = args.method or ("chain" if cfg.num_mtp_modules else "none")
+    k = args.num_speculative_tokens
+    if k is None:
+        k = 3 if method == "eagle" else max(1, min(3, cfg.num_mtp_modules))
+    max_len = args.max_model_len
+    max_len = min(2048, cfg.max_position_embeddings) if max_len is None else max_len
+    if max_len > cfg.max_position_embeddings:
+        raise Fatal(f"--max-model-len {max_len} exceeds the model's "
+                    f"max_position_embeddings ({cfg.max_position_embeddings})")
+    # Prefill chunks longer than max_model_len would only add compiled programs.
+    chunk = min(256, max(16, 1 << (max_len - 1).bit_length()))
+    try:
+        return model_dir, model, Engine(model, SpecConfig(method, num_speculative_tokens=k),
+                                        EngineConfig(max_batch=args.max_batch,
+                                                     max_model_len=max_len,
+                                                     prefill_chunk=chunk))
+    except ConfigError as e:
+        raise Fatal(str(e)) from None
+
+
+def run(engine: Engine, requests: list, ids: list, emit, has_tokenizer: bool) -> str:
+    """Stream the requests, emitting each record as it finishes; the summary lines."""
+    from tqdm import tqdm
+
+    compile_s = engine.warmup() if requests else 0.0
+    bar = tqdm(total=len(requests), file=sys.stderr, unit="req", disable=None)
+    ok, gen, fwd, steps, acc = 0, 0, 0, 0, [0] * engine.spec.k
+    t0 = time.perf_counter()
+    for res in engine.stream(requests) if requests else ():  # stream() would compile
+        rec = record(ids[res.id], res, has_tokenizer)
+        emit(rec)
+        ok += rec.get("finish_reason") in ("stop", "length")
+        if "token_ids" in rec:  # it ran (maybe until NaN logits stopped it)
+            gen, fwd = gen + len(res.token_ids), fwd + res.num_steps + 1
+            steps += res.num_steps
+            acc = [a + b for a, b in zip(acc, res.accepted_per_depth)]
+        bar.set_postfix_str(f"{gen / (time.perf_counter() - t0):.1f} tok/s, "
+                            f"{gen / max(fwd, 1):.2f} tokens/forward", refresh=False)
+        bar.update(1)
+    run_s = time.perf_counter() - t0
+    bar.close()
+    depth = " ".join(f"{a / max(steps, 1):.3f}" for a in acc) or "- (no drafts)"
+    return (f"compile {compile_s:.1f} s | run {run_s:.2f} s | {ok} ok, "
+            f"{len(requests) - ok} errors while running\n"
+            f"generated {gen} tokens | {gen / max(run_s, 1e-9):.1f} tokens/s | "
+            f"mean accepted length {gen / max(fwd, 1):.3f} tokens per target forward\n"
+            f"acceptance per depth: {depth}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        try:
+            data = sys.stdin.buffer.read() if args.input == "-" else \
+                Path(args.input).read_bytes()
+        except OSError as e:
+            raise Fatal(f"cannot read input {args.input}: {e.strerror or e}") from None
+        model_dir, model, engine = make_engine(args)
+        skip, torn = done_ids(args.output) if args.resume else (set(), False)
+        try:
+            out = sys.stdout.buffer if args.output == "-" else open(
+                args.output, "ab" if args.resume else "wb")
+        except OSError as e:
+            raise Fatal(f"cannot write output {args.output}: {e.strerror or e}") from None
+    except Fatal as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if torn:
+        out.write(b"\n")  # end the torn record so the next one starts whole
+
+    def emit(rec: dict) -> None:
+        out.write(json.dumps(rec).encode() + b"\n")
+        out.flush()
+
+    requests, ids, bad, skipped = [], [], 0, 0
+    for obj, rid in read_lines(data):
+        if _key(rid) in skip:
+            skipped += 1
+            continue
+        try:
+            if isinstance(obj, LineError):
+                raise obj
+            req = Request(len(ids), *build_request(obj, model.tokenizer, args.defaults))
+            msg = engine.check(req)
+            if msg:
+                raise LineError(msg)
+        except LineError as e:
+            emit({"id": rid, "error": str(e)})
+            bad += 1
+            continue
+        requests.append(req)
+        ids.append(rid)
+    print(f"{engine.spec.method} K={engine.spec.k} on {model_dir}: {len(requests)} "
+          f"requests, {bad} lines in error, {skipped} skipped (already in the output)",
+          file=sys.stderr)
+    try:
+        summary = run(engine, requests, ids, emit, model.tokenizer is not None)
+    except KeyboardInterrupt:
+        print("interrupted: every record written so far is whole; rerun with --resume",
+              file=sys.stderr)
+        return 130
+    if out is not sys.stdout.buffer:
+        os.fsync(out.fileno())
+        out.close()
+    print(summary, file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""Paged attention: one op for decode (Q = 1), verify (Q = K + 1) and chunked prefill.
+
+Layouts (einsum letters: b batch, q query row, h kv head, g query head within its kv
+head, k kv position, d head dim):
+  q            [B, Q, Hq, D]                 Hq = KVH * G; query head h*G + g reads kv head h
+  k/v_pages    [KVH, num_pages, page_size, D]
+  block_tables [B, max_pages_per_seq] int32  page ids into num_pages
+  kv_lens      [B] int32                     KV length per row, counting the Q new tokens
+The page layout is fixed: each (kv head, page) is one contiguous page_size * D chunk, so
+a page is a single DMA / a single run of coalesced loads, and tensor parallelism shards
+the leading KVH axis without touching the rest.
+
+Query row i of batch row b sees kv positions p < kv_lens[b] - Q + i + 1 and, with
+`sliding_window` W, only p > kv_lens[b] - Q + i - W (at most W positions, itself
+included). Rows that see nothing return exactly 0. Masked positions never contribute,
+whatever the pages hold there (NaN included). Block-table entries past what kv_len needs
+may be any in-range page id; the table itself is never read out of bounds.
+
+Kernels pack the G query heads of one kv head times the Q rows into the rows of one tile
+(row r = i * G + g), so a kv page is read once for all of them: verify with Q = K + 1
+costs about what decode does. Backends: `paged_attention_gpu` (Pallas Triton, split-K
+flash-decoding), `paged_attention_tpu` (Mosaic TPU, double-buffered page DMAs) and
+`paged_attention_reference` (pure jnp, also the XLA baseline).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+BACKEND_ENV_VAR = "MTP_JAX_ATTENTION_BACKEND"
+BACKENDS = ("gpu", "tpu", "reference")
+
+# Finite stand-in for -inf in the kernels' running max: (-inf) - (-inf) would be NaN.
+MASK_VALUE = -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+  """Tiling of one paged-attention call.
+
+  pages_per_block: pages per compute block (block_k = pages_per_block * page_size).
+  num_splits:      KV splits per row (flash-decoding; GPU only, 1 on TPU).
+  rows_per_block:  packed (query row, query head) rows per tile.
+  num_warps, num_stages: Triton launch parameters (GPU only).
+  """
+
+  pages_per_block: int = 8
+  num_splits: int = 1
+  rows_per_block: int = 16
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      v = getattr(self, f.name)
+      if not isinstance(v, int) or v < 1:
+        raise ValueError(f"BlockConfig.{f.name} must be a positive int, got {v!r}.")
+    for name in ("pages_per_block", "rows_per_block"):
+      v = getattr(self, name)
+      if v & (v - 1):
+        raise ValueError(f"BlockConfig.{name} must be a power of two, got {v}.")
+    if self.rows_per_block < 8:
+      raise ValueError(f"BlockConfig.rows_per_block must be >= 8, got {self.rows_per_block}.")
+
+
+def _next_pow2(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())
+
+
+def default_block_config(batch, q_len, num_q_heads, num_kv_heads, page_size, max_pages,
+                         backend, num_cores=None) -> BlockConfig:
+  """Block sizes from the shapes.
+
+  GPU: 128 kv positions per block, 4 warps, 2 stages (on an H200 at B=64, 4k context,
+  64-128 positions and 2-4 stages all came within 2 % of the best), and enough KV splits
+  that the grid covers about two waves of the SMs (the small-batch, long-context case).
+  TPU: ~512 kv positions per block (untuned: no TPU was available).
+  """
+  rows = q_len * (num_q_heads // num_kv_heads)
+  if backend == "tpu":
+    return BlockConfig(
+        pages_per_block=min(max(1, 512 // page_size), _next_pow2(max_pages)),
+        rows_per_block=min(max(_next_pow2(rows), 16), 128))
+  rows_per_block = min(max(_next_pow2(rows), 16), 64)
+  pages_per_block = min(max(1, 128 // page_size), _next_pow2(max_pages))
+  pages_per_block = max(pages_per_block, _next_pow2(-(-16 // page_size)))  # block_k >= 16
+  programs = batch * num_kv_heads * -(-rows // rows_per_block)
+  if num_cores is None:
+    num_cores = getattr(jax.devices()[0], "core_count", None) or 132
+  blocks = -(-max_pages // pages_per_block)
+  num_splits = max(1, min(-(-2 * num_cores // programs), blocks, 64))
+  return BlockConfig(pages_per_block=pages_per_block, num_splits=num_splits,
+                     rows_per_block=rows_per_block,
+                     num_warps=8 if rows_per_block >= 64 else 4)
+
+
+def visible_mask(row, pos, *, kv_len, q_len, group, window, kv_capacity):
+  """Which (packed row, kv position) pairs take part in attention (kernel helper).
+
+  Packed row r holds query i = r // group; rows past q_len * group (padding) repeat the
+  last query. Mosaic has no vector integer divide, so both tests are rewritten without
+  it: p < kv_len - q_len + 1 + r // G  <=>  (p - kv_len + q_len) * G <= r, and
+  p >= kv_len - q_len + 1 + r // G - W  <=>  r < (p - kv_len + q_len + W) * G.
+  """
+  row = jnp.minimum(row, q_len * group - 1)
+  rel = pos - kv_len + q_len
+  mask = (rel * group <= row) & (pos < kv_capacity)
+  if window is not None:
+    mask &= row < (rel + window) * group
+  return mask
+
+
+def tile_kv_range(tile, *, kv_len, rows_per_block, q_len, group, window, kv_capacity):
+  """[lo, hi): the kv positions seen by any row of a row tile (kernel helper, scalars)."""
+  # All operands are non-negative, so lax.div is floor division.
+  first = jnp.minimum(lax.div(tile * rows_per_block, group), q_len - 1)
+  last = jnp.minimum(lax.div(tile * rows_per_block + rows_per_block - 1, group), q_len - 1)
+  hi = jnp.clip(kv_len - q_len + last + 1, 0, kv_capacity)
+  lo = jnp.zeros_like(hi)
+  if window is not None:
+    lo = jnp.clip(kv_len - q_len + first + 1 - window, 0, hi)
+  return lo, hi
+
+
+def _resolve_backend(backend):
+  backend = backend or os.environ.get(BACKEND_ENV_VAR) or jax.default_backend()
+  backend = {"cuda": "gpu", "rocm": "gpu", "cpu": "reference"}.get(backend, backend)
+  if backend not in BACKENDS:
+    raise ValueError(f"Unknown paged-attention backend {backend!r}; expected one of "
+                     f"{BACKENDS} (or None for jax.default_backend()).")
+  return backend
+
+
+def _check_inputs(q, k_pages, v_pages, block_tables, kv_lens, sliding_window, soft_cap):
+  if q.ndim != 4:
+    raise ValueError(f"q must be [B, Q, Hq, D], got shape {q.shape}.")
+  batch, _, num_q_heads, head_dim = q.shape
+  if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+    raise ValueError("k_pages and v_pages must both be [KVH, num_pages, page_size, D]; got "
+                     f"{k_pages.shape} and {v_pages.shape}.")
+  num_kv_heads, _, _, kv_dim = k_pages.shape
+  if kv_dim != head_dim:
+    raise ValueError(f"q head dim {head_dim} != kv head dim {kv_dim}.")
+  if num_q_heads % num_kv_heads:
+    raise ValueError(f"Hq={num_q_heads} must be a multiple of KVH={num_kv_heads}.")
+  if not (q.dtype == k_pages.dtype == v_pages.dtype):
+    raise ValueError(f"q, k_pages, v_pages dtypes differ: {q.dtype}, {k_pages.dtype}, "
+                     f"{v_pages.dtype}.")
+  if block_tables.ndim != 2 or block_tables.shape[0] != batch:
+    raise ValueError(f"block_tables must be [B={batch}, max_pages], got {block_tables.shape}.")
+  if kv_lens.shape != (batch,):
+    raise ValueError(f"kv_lens must be [B={batch}], got {kv_lens.shape}.")
+  if block_tables.dtype != jnp.int32 or kv_lens.dtype != jnp.int32:
+    raise ValueError("block_tables and kv_lens must be int32, got "
+                     f"{block_tables.dtype} and {kv_lens.dtype}.")
+  if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+    raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}.")
+  if soft_cap is not None and not soft_cap > 0:
+    raise ValueError(f"soft_cap must be positive or None, got {soft_cap!r}.")
+
+
+@functools.partial(jax.jit, static_argnames=("sliding_window", "soft_cap", "sm_scale",
+                                             "block_config"))
+def paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, *,
+                              sliding_window=None, soft_cap=None, sm_scale=None,
+                              block_config=None):
+  """Pure-jnp paged attention: gather every table page, dense masked softmax.
+
+  Same signature and result as `paged_attention` (block_config is accepted and ignored).
+  """
+  del block_config
+  _check_inputs(q, k_pages, v_pages, block_tables, kv_lens, sliding_window, soft_cap)
+  batch, q_len, num_q_heads, head_dim = q.shape
+  num_kv_heads, _, page_size, _ = k_pages.shape
+  group = num_q_heads // num_kv_heads
+  if sm_scale is None:
+    sm_scale = 1.0 / math.sqrt(head_dim)
+  precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+
+  # [KVH, B, max_pages, page_size, D] -> [KVH, B, K, D] with K = max_pages * page_size.
+  k = k_pages[:, block_tables].reshape(num_kv_heads, batch, -1, head_dim)
+  v = v_pages[:, block_tables].reshape(num_kv_heads, batch, -1, head_dim)
+  qg = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
+  logits = jnp.einsum("bqhgd,hbkd->bhgqk", qg, k, precision=precision,
+                      preferred_element_type=jnp.float32) * sm_scale
+  if soft_cap is not None:
+    logits = soft_cap * jnp.tanh(logits / soft_cap)
+
+  pos = jnp.arange(k.shape[2])                                    # [K]
+  q_pos = kv_lens[:, None] - q_len + jnp.arange(q_len)            # [B, Q]
+  mask = pos[None, None, :] <= q_pos[:, :, None]                  # [B, Q, K]
+  if sliding_window is not None:
+    mask &= pos[None, None, :] > q_pos[:, :, None] - sliding_window
+  # Positions no row sees may hold anything (NaN included); 0 * NaN would leak
+  # through the einsum, so zero V there rather than relying on p == 0.
+  v = jnp.where(mask.any(axis=1)[None, :, :, None], v, 0)
+  mask = mask[:, None, None]                                      # [B, 1, 1, Q, K]
+
+  logits = jnp.where(mask, logits, -jnp.inf)
+  m = logits.max(axis=-1, keepdims=True)
+  p = jnp.where(mask, jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+  l = p.sum(axis=-1)                                              # [B, H, G, Q]
+  o = jnp.einsum("bhgqk,hbkd->bhgqd", p, v.astype(jnp.float32), precision=precision)
+  o = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+  return o.transpose(0, 3, 1, 2, 4).reshape(q.shape).astype(q.dtype)
+
+
+def paged_attention(q, k_pages, v_pages, block_tables, kv_lens, *, sliding_window=None,
+                    soft_cap=None, sm_scale=None, backend=None, interpret=False,
+                    block_config=None):
+  """Paged GQA attention over the pages named by `block_tables` (module docstring).
+
+  backend: None -> $MTP_JAX_ATTENTION_BACKEND or jax.default_backend() ('cpu' runs the
+  reference); or 'gpu', 'tpu', 'reference'. Resolved here, outside jit, so the env var
+  is read on every call. interpret=True runs the chosen Pallas kernel in interpret mode
+  (on CPU). block_config: a BlockConfig, default from the shapes.
+  Returns [B, Q, Hq, D] in q.dtype (accumulated in f32).
+  """
+  backend = _resolve_backend(backend)
+  kwargs = dict(sliding_window=sliding_window, soft_cap=soft_cap, sm_scale=sm_scale)
+  if backend == "reference":
+    return paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, **kwargs)
+  if block_config is not None and not isinstance(block_config, BlockConfig):
+    raise TypeError(f"block_config must be a BlockConfig, got {type(block_config).__name__}.")
+  return _paged_attention_kernel(q, k_pages, v_pages, block_tables, kv_lens, **kwargs,
+                                 backend=backend, interpret=interpret,
+                                 block_config=block_config)
+
+
+@functools.partial(jax.jit, static_argnames=("sliding_window", "soft_cap", "sm_scale",
+                                             "backend", "interpret", "block_config"))
+def _paged_attention_kernel(q, k_pages, v_pages, block_tables, kv_lens, *, sliding_window,
+                            soft_cap, sm_scale, backend, interpret, block_config):
+  """Pack the query rows, run the backend's kernel, unpack."""
+  _check_inputs(q, k_pages, v_pages, block_tables, kv_lens, sliding_window, soft_cap)
+  batch, q_len, num_q_heads, head_dim = q.shape
+  num_kv_heads, _, page_size, _ = k_pages.shape
+  group = num_q_heads // num_kv_heads
+  cfg = block_config or default_block_config(
+      batch, q_len, num_q_heads, num_kv_heads, page_size, block_tables.shape[1], backend,
+      num_cores=132 if interpret else None)
+
+  # Pack rows: [B, Q, KVH*G, D] -> [B, KVH, Q*G, D] (row = i*G + g), padded to the tile.
+  rows = q_len * group
+  padded = -(-rows // cfg.rows_per_block) * cfg.rows_per_block
+  qp = q.reshape(batch, q_len, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+  qp = qp.reshape(batch, num_kv_heads, rows, head_dim)
+  qp = jnp.pad(qp, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
+  common = dict(q_len=q_len, group=group, soft_cap=soft_cap, window=sliding_window,
+                sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale,
+                pages_per_block=cfg.pages_per_block, rows_per_block=cfg.rows_per_block,
+                interpret=interpret)
+  if backend == "gpu":
+    from pallas_kernels.paged_attention_gpu import paged_attention_gpu
+    out = paged_attention_gpu(qp, k_pages, v_pages, block_tables, kv_lens, **common,
+                              num_splits=cfg.num_splits, num_warps=cfg.num_warps,
+                              num_stages=cfg.num_stages)
+  else:
+    if cfg.num_splits != 1:
+      raise ValueError("The TPU kernel runs one KV split; set BlockConfig.num_splits=1.")
+    from pallas_kernels.paged_attention_tpu import paged_attention_tpu
+    out = paged_attention_tpu(qp, k_pages, v_pages, block_tables, kv_lens, **common)
+  out = out[:, :, :rows].reshape(batch, num_kv_heads, q_len, group, head_dim)
+  return out.transpose(0, 2, 1, 3, 4).reshape(q.shape)

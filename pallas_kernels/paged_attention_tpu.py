@@ -1,0 +1,152 @@
+"""Paged attention for TPUs: a Mosaic TPU kernel with double-buffered page DMAs.
+
+The public op, the layouts and the masking rule are documented in
+`pallas_kernels.paged_attention`; this module holds only the TPU kernel and its wrapper.
+
+Grid (batch row, kv head, tile of packed query rows). The block tables and kv_lens are
+scalar-prefetched into SMEM; the pages stay in HBM and are fetched page by page with
+async copies into a two-slot VMEM buffer, so block j+1 is in flight while block j is
+computed. Only pages that hold visible positions are copied. A TensorCore runs its grid
+sequentially, so unlike the GPU kernel there is no split-K here. Copies index the HBM
+ref with `.at[head, page]` and write `buf.at[slot, pl.ds(...)]`: no ref reshape or
+bitcast, which TPU interpret mode cannot run.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.paged_attention import MASK_VALUE, tile_kv_range, visible_mask
+
+
+def _kernel(kv_lens_ref, bt_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sems, *,
+            sm_scale, soft_cap, window, q_len, group, pages_per_block, max_pages):
+  b, h, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  rows, head_dim = q_ref.shape
+  page_size = k_hbm.shape[2]
+  block_k = pages_per_block * page_size
+  kv_capacity = max_pages * page_size
+  kv_len = kv_lens_ref[b]
+
+  lo, hi = tile_kv_range(tile, kv_len=kv_len, rows_per_block=rows, q_len=q_len,
+                         group=group, window=window, kv_capacity=kv_capacity)
+  first_page = lax.div(lo, page_size)
+  end_page = lax.div(hi + page_size - 1, page_size)
+  num_blocks = lax.div(end_page - first_page + pages_per_block - 1, pages_per_block)
+
+  def page_copies(j, slot):
+    """(guard, K copy, V copy) for each page of block j; guard: page holds visible kv."""
+    copies = []
+    for i in range(pages_per_block):
+      page = first_page + j * pages_per_block + i
+      page_id = bt_ref[b * max_pages + jnp.minimum(page, max_pages - 1)]
+      dst = pl.ds(i * page_size, page_size)
+      copies.append((
+          page < end_page,
+          pltpu.make_async_copy(k_hbm.at[h, page_id], k_buf.at[slot, dst], sems.at[0, slot]),
+          pltpu.make_async_copy(v_hbm.at[h, page_id], v_buf.at[slot, dst], sems.at[1, slot]),
+      ))
+    return copies
+
+  def start(j, slot):
+    for guard, k_copy, v_copy in page_copies(j, slot):
+      @pl.when(guard)
+      def _():
+        k_copy.start()
+        v_copy.start()
+
+  def wait(j, slot):
+    for guard, k_copy, v_copy in page_copies(j, slot):
+      @pl.when(guard)
+      def _():
+        k_copy.wait()
+        v_copy.wait()
+
+  @pl.when(num_blocks > 0)
+  def _():
+    start(0, 0)
+
+  q = q_ref[...]
+  precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+  row = tile * rows + lax.broadcasted_iota(jnp.int32, (rows, block_k), 0)
+  col = lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
+  v_col = lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
+
+  def body(j, carry):
+    acc, m_prev, l_prev = carry
+    slot = lax.rem(j, 2)
+
+    @pl.when(j + 1 < num_blocks)
+    def _():
+      start(j + 1, 1 - slot)
+
+    wait(j, slot)
+    k = k_buf[slot]
+    v = v_buf[slot]
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                        preferred_element_type=jnp.float32) * sm_scale
+    if soft_cap is not None:
+      s = soft_cap * jnp.tanh(s / soft_cap)
+    pos0 = (first_page + j * pages_per_block) * page_size
+    mask = visible_mask(row, pos0 + col, kv_len=kv_len, q_len=q_len, group=group,
+                        window=window, kv_capacity=kv_capacity)
+    s = jnp.where(mask, s, MASK_VALUE)
+    m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+    alpha = jnp.exp(m_prev - m_next)
+    p = jnp.where(mask, jnp.exp(s - m_next), 0.0)
+    # Slots past `hi` hold stale or never-copied data (maybe NaN): zero them in V too.
+    v_pos = pos0 + v_col
+    v = jnp.where((v_pos >= lo) & (v_pos < hi), v, jnp.zeros_like(v))
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                         precision=precision, preferred_element_type=jnp.float32)
+    return acc * alpha + pv, m_next, l_prev * alpha + p.sum(axis=1, keepdims=True)
+
+  acc = jnp.zeros((rows, head_dim), jnp.float32)
+  m = jnp.full((rows, 1), MASK_VALUE, jnp.float32)
+  l = jnp.zeros((rows, 1), jnp.float32)
+  acc, m, l = lax.fori_loop(0, num_blocks, body, (acc, m, l))
+  seen = l > 0.0
+  o_ref[...] = jnp.where(seen, acc / jnp.where(seen, l, 1.0), 0.0).astype(o_ref.dtype)
+
+
+def paged_attention_tpu(q_packed, k_pages, v_pages, block_tables, kv_lens, *, q_len,
+                        group, sm_scale, soft_cap, window, pages_per_block, rows_per_block,
+                        interpret):
+  """q_packed [B, KVH, R, D] (R a multiple of rows_per_block) -> [B, KVH, R, D]."""
+  batch, kv_heads, rows, head_dim = q_packed.shape
+  _, _, page_size, _ = k_pages.shape
+  max_pages = block_tables.shape[1]
+  assert rows % rows_per_block == 0, (rows, rows_per_block)
+  block_k = pages_per_block * page_size
+
+  kernel = functools.partial(
+      _kernel, sm_scale=sm_scale, soft_cap=soft_cap, window=window, q_len=q_len,
+      group=group, pages_per_block=pages_per_block, max_pages=max_pages)
+  q_spec = pl.BlockSpec((None, None, rows_per_block, head_dim),
+                        lambda b, h, t, *_: (b, h, t, 0))
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=2,
+      grid=(batch, kv_heads, rows // rows_per_block),
+      in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+      out_specs=q_spec,
+      scratch_shapes=[
+          pltpu.VMEM((2, block_k, head_dim), k_pages.dtype),
+          pltpu.VMEM((2, block_k, head_dim), v_pages.dtype),
+          pltpu.SemaphoreType.DMA((2, 2)),  # [K or V, buffer slot]
+      ],
+  )
+  return pl.pallas_call(
+      kernel,
+      grid_spec=grid_spec,
+      out_shape=jax.ShapeDtypeStruct(q_packed.shape, q_packed.dtype),
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "parallel")),
+      interpret=pltpu.InterpretParams() if interpret else False,
+      name="paged_attention_tpu",
+  )(kv_lens, block_tables.reshape(-1), q_packed, k_pages, v_pages)

@@ -1,0 +1,33 @@
+"""Test set-up shared by the whole suite.
+
+On CPU the tiny test models spend most of their time in XLA compilation, not in running,
+so unless the user chose their own `XLA_FLAGS` we ask XLA for cheap compiles before jax
+is imported. `JAX_PLATFORMS` is left as the user set it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+_CHEAP_CPU_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+_ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12",
+                        "jax_plugins.xla_cuda13", "jax_rocm60_plugin", "libtpu")
+
+
+def _platform_is_cpu() -> bool:
+    """Whether jax will run on CPU, decided without importing jax."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").strip().lower()
+    if platforms:
+        return platforms.split(",")[0].strip() == "cpu"
+    for name in _ACCELERATOR_PLUGINS:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return False
+        except (ImportError, ValueError):
+            continue
+    return True
+
+
+if "XLA_FLAGS" not in os.environ and _platform_is_cpu():
+    os.environ["XLA_FLAGS"] = _CHEAP_CPU_COMPILE

@@ -1,0 +1,336 @@
+"""ModelConfig.from_hf per layout, RoPE scaling parsing, and the validation errors of every
+config dataclass (each error names the offending field)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from hf_fixtures import LAYOUTS, hf_config
+from mtp_jax.config import (ConfigError, EngineConfig, ModelConfig, RopeScaling,
+                            SamplingParams, SpecConfig)
+
+
+# ------------------------------------------------------------------ layout facts
+EXPECTED = {
+    "mimo": dict(mtp_concat_order="hidden_first", mtp_zero_embed_at_pos0=True,
+                 mtp_hidden_from="post_norm", mtp_output_hidden="post_norm",
+                 mtp_own_head=False, mtp_own_embed=False, mtp_shared_input=False,
+                 attention_bias=True, qk_norm=False, norm_offset=0.0, num_mtp_modules=2,
+                 head_dim=8, partial_rotary_factor=1.0),
+    "deepseek_v3": dict(mtp_concat_order="embed_first", mtp_zero_embed_at_pos0=True,
+                        mtp_hidden_from="post_norm", mtp_output_hidden="pre_norm",
+                        mtp_own_head=True, mtp_own_embed=True, mtp_shared_input=False,
+                        attention_bias=False, qk_norm=False, norm_offset=0.0,
+                        num_mtp_modules=3, head_dim=8, mtp_hidden_source="previous"),
+    "qwen3_next": dict(mtp_concat_order="embed_first", mtp_zero_embed_at_pos0=False,
+                       mtp_hidden_from="post_norm", mtp_output_hidden="post_norm",
+                       mtp_own_head=False, mtp_own_embed=False, mtp_shared_input=True,
+                       attention_bias=False, qk_norm=True, norm_offset=1.0,
+                       num_mtp_modules=2, head_dim=16, partial_rotary_factor=0.25),
+    "step3p5": dict(mtp_concat_order="embed_first", mtp_zero_embed_at_pos0=True,
+                    mtp_hidden_from="pre_norm", mtp_output_hidden="pre_norm",
+                    mtp_own_head=True, mtp_own_embed=False, mtp_shared_input=False,
+                    qk_norm=True, norm_offset=0.0, num_mtp_modules=3, head_dim=16,
+                    mtp_hidden_source="previous"),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_from_hf_layout_facts(layout):
+    cfg = ModelConfig.from_hf(hf_config(layout))
+    assert cfg.layout == layout
+    got = {k: getattr(cfg, k) for k in EXPECTED[layout]}
+    assert got == EXPECTED[layout]
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size) == (96, 32, 64)
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.group_size) == (2, 4, 2, 2)
+    assert cfg.dtype == "float32"
+    assert len(cfg.sliding_windows) == cfg.num_layers
+    assert len(cfg.mtp_sliding_windows) == cfg.num_mtp_modules
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_from_hf_reads_a_file_or_folder(layout, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(layout)))
+    want = ModelConfig.from_hf(hf_config(layout))
+    assert ModelConfig.from_hf(str(tmp_path)) == want
+    assert ModelConfig.from_hf(str(tmp_path / "config.json")) == want
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_to_hf_round_trip(layout):
+    cfg = ModelConfig.from_hf(hf_config(layout))
+    again = ModelConfig.from_hf(json.loads(json.dumps(cfg.to_hf())))
+    assert again == cfg
+
+
+def test_step3p5_layer_types_cover_target_and_mtp_layers():
+    types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention",
+             "sliding_attention"]
+    cfg = ModelConfig.from_hf(hf_config("step3p5", layers=2, num_mtp=3, layer_types=types,
+                                        sliding_window=5))
+    assert cfg.sliding_windows == (5, None)
+    assert cfg.mtp_sliding_windows == (5, None, 5)
+    # The fixture's default: target alternates, every MTP layer slides.
+    cfg = ModelConfig.from_hf(hf_config("step3p5"))
+    assert cfg.sliding_windows == (4, None)
+    assert cfg.mtp_sliding_windows == (4, 4, 4)
+
+
+def test_layer_types_over_target_only_leave_mtp_full():
+    cfg = ModelConfig.from_hf(hf_config(
+        "step3p5", layer_types=["full_attention", "sliding_attention"], sliding_window=6))
+    assert cfg.sliding_windows == (None, 6)
+    assert cfg.mtp_sliding_windows == (None, None, None)
+
+
+def test_layer_types_of_wrong_length_is_an_error():
+    with pytest.raises(ConfigError, match="layer_types"):
+        ModelConfig.from_hf(hf_config("step3p5", layer_types=["full_attention"] * 3))
+
+
+def test_sliding_attention_without_window_is_an_error():
+    raw = hf_config("step3p5")
+    del raw["sliding_window"]
+    with pytest.raises(ConfigError, match="sliding_window"):
+        ModelConfig.from_hf(raw)
+
+
+def test_qwen2_use_sliding_window_and_max_window_layers():
+    # MiMo / Qwen2 style: layers with index >= max_window_layers slide, only when
+    # use_sliding_window is on; the sliding_window value alone does nothing.
+    cfg = ModelConfig.from_hf(hf_config("mimo", layers=3, use_sliding_window=True,
+                                        sliding_window=8, max_window_layers=1))
+    assert cfg.sliding_windows == (None, 8, 8)
+    assert cfg.mtp_sliding_windows == (None, None)
+    cfg = ModelConfig.from_hf(hf_config("mimo", layers=3, use_sliding_window=False,
+                                        sliding_window=8, max_window_layers=1))
+    assert cfg.sliding_windows == (None, None, None)
+    cfg = ModelConfig.from_hf(hf_config("mimo", layers=3, use_sliding_window=True,
+                                        sliding_window=8, max_window_layers=3))
+    assert cfg.sliding_windows == (None, None, None)
+
+
+def test_explicit_mtp_facts_override_layout_defaults():
+    cfg = ModelConfig.from_hf(hf_config(
+        "deepseek_v3", mtp_hidden_source="target", mtp_concat_order="hidden_first",
+        mtp_hidden_from="pre_norm", mtp_output_hidden="post_norm",
+        mtp_zero_embed_at_pos0=False))
+    assert (cfg.mtp_hidden_source, cfg.mtp_concat_order, cfg.mtp_hidden_from,
+            cfg.mtp_output_hidden, cfg.mtp_zero_embed_at_pos0) == (
+        "target", "hidden_first", "pre_norm", "post_norm", False)
+    with pytest.raises(ConfigError, match="mtp_hidden_source"):
+        ModelConfig.from_hf(hf_config("mimo", mtp_hidden_source="sideways"))
+
+
+def test_attention_bias_and_qk_norm_switches():
+    assert not ModelConfig.from_hf(hf_config("mimo", attention_bias=False)).attention_bias
+    assert ModelConfig.from_hf(hf_config("deepseek_v3", attention_bias=True)).attention_bias
+    assert not ModelConfig.from_hf(hf_config("step3p5", use_qk_norm=False)).qk_norm
+
+
+def test_head_dim_defaults_to_hidden_over_heads_and_tied_embeddings():
+    raw = hf_config("qwen3_next", head_dim=None, tie_word_embeddings=True)
+    cfg = ModelConfig.from_hf(raw)
+    assert cfg.head_dim == 8 and cfg.tie_word_embeddings
+
+
+def test_frozen_variants_by_replace():
+    cfg = ModelConfig.from_hf(hf_config("mimo"))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.num_layers = 3  # type: ignore[misc]
+    other = dataclasses.replace(cfg, mtp_concat_order="embed_first")
+    assert other.mtp_concat_order == "embed_first" and cfg.mtp_concat_order == "hidden_first"
+
+
+# ------------------------------------------------------------------ RoPE scaling
+@pytest.mark.parametrize("rope_scaling, want", [
+    ({"type": "linear", "factor": 2.0}, RopeScaling("linear", 2.0)),
+    ({"rope_type": "dynamic", "factor": 3.0}, RopeScaling("dynamic", 3.0, 256)),
+    ({"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 128},
+     RopeScaling("dynamic", 2.0, 128)),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+      "beta_fast": 16, "beta_slow": 2, "attention_factor": 1.25},
+     RopeScaling("yarn", 4.0, 64, beta_fast=16.0, beta_slow=2.0, attention_factor=1.25)),
+    ({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+     RopeScaling("yarn", 4.0, 64)),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 8192},
+     RopeScaling("llama3", 8.0, 8192, low_freq_factor=1.0, high_freq_factor=4.0)),
+    ({"rope_type": "default"}, None),
+    (None, None),
+])
+def test_rope_scaling_parsing(rope_scaling, want):
+    cfg = ModelConfig.from_hf(hf_config("mimo", rope_scaling=rope_scaling))
+    assert cfg.rope_scaling == want
+
+
+def test_rope_parameters_style_config():
+    raw = hf_config("mimo", rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                             "rope_theta": 5000.0})
+    del raw["rope_theta"], raw["rope_scaling"]
+    cfg = ModelConfig.from_hf(raw)
+    assert cfg.rope_theta == 5000.0
+    assert cfg.rope_scaling == RopeScaling("linear", 2.0)
+
+
+@pytest.mark.parametrize("rope_scaling, field", [
+    ({"type": "longrope", "factor": 2.0}, "longrope"),
+    ({"type": "linear", "factor": 0.0}, "factor"),
+    ({"type": "linear", "factor": 2.0, "short_factor": [1.0]}, "short_factor"),
+    ({"type": "yarn", "factor": 4.0}, "original_max_position_embeddings"),
+    ({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+      "mscale": 0.707, "mscale_all_dim": 0.707}, "mscale"),
+    ("linear", "rope_scaling"),
+])
+def test_bad_rope_scaling_names_the_field(rope_scaling, field):
+    with pytest.raises(ConfigError, match=field):
+        ModelConfig.from_hf(hf_config("mimo", rope_scaling=rope_scaling))
+
+
+# ------------------------------------------------------------------ unsupported math
+@pytest.mark.parametrize("layout, extra, field", [
+    ("qwen3_next", {"num_experts": 8}, "num_experts"),
+    ("deepseek_v3", {"n_routed_experts": 16}, "n_routed_experts"),
+    ("deepseek_v3", {"moe_intermediate_size": 32}, "moe_intermediate_size"),
+    ("deepseek_v3", {"kv_lora_rank": 16}, "kv_lora_rank"),
+    ("deepseek_v3", {"q_lora_rank": 24}, "q_lora_rank"),
+    ("qwen3_next", {"attn_output_gate": True}, "attn_output_gate"),
+    ("qwen3_next", {"linear_num_value_heads": 4}, "linear_num_value_heads"),
+    ("qwen3_next", {"layer_types": ["linear_attention", "full_attention"]}, "linear_attention"),
+    ("mimo", {"some_new_field": 3}, "some_new_field"),
+    ("mimo", {"hidden_act": "gelu"}, "gelu"),
+    ("step3p5", {"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+])
+def test_unsupported_config_names_the_field(layout, extra, field):
+    with pytest.raises(ConfigError, match=field):
+        ModelConfig.from_hf(hf_config(layout, **extra))
+
+
+@pytest.mark.parametrize("extra", [{"num_experts": 0}, {"attn_output_gate": False},
+                                   {"n_routed_experts": None}, {"mlp_bias": False}])
+def test_trivial_values_of_unsupported_fields_are_accepted(extra):
+    ModelConfig.from_hf(hf_config("qwen3_next", **extra))
+
+
+@pytest.mark.parametrize("field", ["hidden_size", "num_attention_heads", "vocab_size",
+                                   "num_hidden_layers", "intermediate_size"])
+def test_missing_required_field_is_named(field):
+    raw = hf_config("mimo")
+    del raw[field]
+    with pytest.raises(ConfigError, match=field):
+        ModelConfig.from_hf(raw)
+
+
+def test_null_num_key_value_heads_means_multi_head_attention():
+    # HF's convention: num_key_value_heads None (null in config.json) is one kv head per
+    # query head.
+    cfg = ModelConfig.from_hf(hf_config("mimo", num_key_value_heads=None))
+    assert cfg.num_kv_heads == cfg.num_heads == 4
+
+
+@pytest.mark.parametrize("layout, field, value", [
+    ("mimo", "hidden_size", None),
+    ("mimo", "hidden_size", "32x"),
+    ("mimo", "vocab_size", 96.5),
+    ("mimo", "num_attention_heads", 0),
+    ("mimo", "rms_norm_eps", "small"),
+    ("mimo", "rope_theta", None),
+    ("mimo", "tie_word_embeddings", "no"),
+    ("step3p5", "sliding_window", "big"),
+])
+def test_malformed_value_names_the_field(layout, field, value):
+    # A value of the wrong type must not crash with a bare TypeError / ValueError /
+    # ZeroDivisionError, nor be silently coerced into different math.
+    with pytest.raises(ConfigError, match=field):
+        ModelConfig.from_hf(hf_config(layout, **{field: value}))
+
+
+def test_unknown_model_type_and_unreadable_files(tmp_path):
+    with pytest.raises(ConfigError, match="model_type"):
+        ModelConfig.from_hf(hf_config("mimo", model_type="llama"))
+    with pytest.raises(ConfigError, match="config.json"):
+        ModelConfig.from_hf(str(tmp_path))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="JSON"):
+        ModelConfig.from_hf(str(tmp_path))
+
+
+def test_model_config_validation():
+    base = ModelConfig.from_hf(hf_config("mimo"))
+    with pytest.raises(ConfigError, match="num_key_value_heads"):
+        dataclasses.replace(base, num_heads=4, num_kv_heads=3)
+    with pytest.raises(ConfigError, match="partial_rotary_factor"):
+        dataclasses.replace(base, partial_rotary_factor=0.1)
+    with pytest.raises(ConfigError, match="mtp_concat_order"):
+        dataclasses.replace(base, mtp_concat_order="middle")
+    with pytest.raises(ConfigError, match="hidden_size"):
+        dataclasses.replace(base, hidden_size=0)
+    with pytest.raises(ConfigError, match="sliding_windows"):
+        dataclasses.replace(base, sliding_windows=(4,))
+
+
+# ------------------------------------------------------------------ spec / sampling
+def test_spec_config_validation():
+    assert SpecConfig(method="none", num_speculative_tokens=0).k == 0
+    assert SpecConfig(method="chain", num_speculative_tokens=2).k == 2
+    with pytest.raises(ConfigError, match="method"):
+        SpecConfig(method="medusa")
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        SpecConfig(method="eagle", num_speculative_tokens=0)
+    with pytest.raises(ConfigError, match="relaxed"):
+        SpecConfig(relaxed_acceptance=True, relaxed_delta=1.5)
+    cfg = ModelConfig.from_hf(hf_config("mimo"))  # 2 MTP modules
+    for method in ("chain", "window", "per_step"):
+        SpecConfig(method=method, num_speculative_tokens=2).validate_for(cfg)
+        with pytest.raises(ConfigError, match="num_speculative_tokens"):
+            SpecConfig(method=method, num_speculative_tokens=3).validate_for(cfg)
+    SpecConfig(method="eagle", num_speculative_tokens=5).validate_for(cfg)
+    no_mtp = dataclasses.replace(cfg, num_mtp_modules=0, mtp_sliding_windows=())
+    with pytest.raises(ConfigError, match="eagle"):
+        SpecConfig(method="eagle").validate_for(no_mtp)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(temperature=-0.5), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=True), "temperature"),
+    (dict(top_k=-1), "top_k"),
+    (dict(top_k=2.5), "top_k"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(seed=-1), "seed"),
+    (dict(seed=2**63), "seed"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(stop=("",)), "stop"),
+    (dict(stop_token_ids=(-3,)), "stop_token_ids"),
+])
+def test_sampling_params_validation(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_reports_every_bad_field_at_once():
+    with pytest.raises(ConfigError) as err:
+        SamplingParams(temperature=-1.0, top_p=2.0, max_tokens=0)
+    for field in ("temperature", "top_p", "max_tokens"):
+        assert field in str(err.value)
+
+
+def test_sampling_params_defaults_are_greedy_and_valid():
+    sp = SamplingParams()
+    assert sp.temperature == 0.0 and sp.top_k == 0 and sp.top_p == 1.0
+    SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=2**63 - 1, max_tokens=1,
+                   stop=("\n",), stop_token_ids=(0, 5))
+
+
+def test_engine_config_validation():
+    EngineConfig(max_batch=1, max_model_len=64, page_size=4, prefill_chunk=8)
+    with pytest.raises(ConfigError, match="prefill_chunk"):
+        EngineConfig(prefill_chunk=12)
+    with pytest.raises(ConfigError, match="steps_per_dispatch"):
+        EngineConfig(steps_per_dispatch=0)
+    with pytest.raises(ConfigError, match="max_batch"):
+        EngineConfig(max_batch=0)
