@@ -76,6 +76,15 @@ def read_safetensors_header(path: str) -> dict:
             problems.append(f"{name}: data ends at byte {e} but the file holds {data_size} "
                             "(truncated file)")
         out[name] = (code, shape, (b, e))
+    spans = sorted((b, e, name) for name, (_, _, (b, e)) in out.items())
+    end, last = 0, None
+    for b, e, name in spans:
+        if b < end:
+            problems.append(f"{name} and {last}: data bytes overlap ({b}..{e})")
+        elif b > end:
+            problems.append(f"{name}: a gap of {b - end} bytes before its data")
+        if e > end:
+            end, last = e, name
     if problems:
         raise CheckpointError(f"{path}: " + "; ".join(problems))
     return out
@@ -281,8 +290,11 @@ def _hf_files(path: str) -> tuple[list[str], Optional[dict]]:
         with open(index) as f:
             try:
                 weight_map = json.load(f)["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+            except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
                 raise CheckpointError(f"{index}: unreadable index ({e})") from None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to file names")
         files = sorted(set(weight_map.values()))
         missing = [x for x in files if not os.path.exists(os.path.join(path, x))]
         if missing:
@@ -343,16 +355,18 @@ def load_hf(path: str, *, dtype=None, config: Optional[ModelConfig] = None) -> M
     if problems:
         raise CheckpointError(f"{path}: checkpoint does not match its config "
                               f"({cfg.layout}): " + " | ".join(problems))
-    flat = {}
+    flat, nonfinite = {}, []
     for e in entries:
         arrs = []
         for name in e.names:
             fpath, base, entry = found[name]
             arr = read_tensor(fpath, (base, entry)).astype(np.float32)
             if not np.all(np.isfinite(arr)):
-                raise CheckpointError(f"{path}: tensor {name} holds NaN or Inf")
+                nonfinite.append(name)
             arrs.append(arr)
         flat[e.path] = e.join(arrs)
+    if nonfinite:
+        raise CheckpointError(f"{path}: tensors holding NaN or Inf: {sorted(nonfinite)}")
     return from_params(cfg, flat, dtype, eos_token_ids=_eos_ids(path), path=path,
                        tokenizer=load_tokenizer(path))
 

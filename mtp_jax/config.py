@@ -366,18 +366,41 @@ def _from_hf_dict(raw: dict) -> ModelConfig:
     if act not in ("silu", "swish"):
         raise ConfigError(f"hidden_act={act!r} is not supported (SwiGLU with silu only)")
 
-    hidden = int(get("hidden_size"))
-    heads = int(get("num_attention_heads"))
-    kv_heads = int(get("num_key_value_heads", heads))
-    head_dim = get("head_dim", None)
-    head_dim = int(head_dim) if head_dim else hidden // heads
-    num_layers = int(get("num_hidden_layers"))
-    num_mtp = int(get("num_nextn_predict_layers", 0, alias=("mtp_num_hidden_layers",)))
-    max_pos = int(get("max_position_embeddings", 4096))
+    def as_int(key, default=dataclasses.MISSING, *, alias=(), minimum=1):
+        val = get(key, default, alias=alias)
+        if isinstance(val, bool) or not isinstance(val, int) or val < minimum:
+            raise ConfigError(f"config field {key}={val!r} must be an integer >= {minimum}")
+        return val
+
+    def as_float(key, default):
+        val = get(key, default)
+        if isinstance(val, bool) or not isinstance(val, (int, float)) or not val > 0 \
+                or val != val or val == float("inf"):
+            raise ConfigError(f"config field {key}={val!r} must be a positive number")
+        return float(val)
+
+    def as_bool(key, default):
+        val = get(key, default)
+        if not isinstance(val, bool):
+            raise ConfigError(f"config field {key}={val!r} must be true or false")
+        return val
+
+    hidden = as_int("hidden_size")
+    heads = as_int("num_attention_heads")
+    kv_heads = raw.get("num_key_value_heads")
+    kv_heads = heads if kv_heads is None else as_int("num_key_value_heads")
+    used.add("num_key_value_heads")
+    head_dim = raw.get("head_dim")
+    head_dim = hidden // heads if head_dim is None else as_int("head_dim")
+    used.add("head_dim")
+    num_layers = as_int("num_hidden_layers")
+    num_mtp = as_int("num_nextn_predict_layers", 0, alias=("mtp_num_hidden_layers",),
+                     minimum=0)
+    max_pos = as_int("max_position_embeddings", 4096)
 
     rs = get("rope_scaling", None)
     rope_params = get("rope_parameters", None)
-    theta = float(get("rope_theta", 10000.0))
+    theta = as_float("rope_theta", 10000.0)
     if rope_params:
         theta = float(rope_params.get("rope_theta", theta))
         if rope_params.get("rope_type", rope_params.get("type", "default")) != "default":
@@ -386,9 +409,15 @@ def _from_hf_dict(raw: dict) -> ModelConfig:
 
     # Sliding windows, per target layer and per MTP module.
     window = get("sliding_window", None)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):
+        raise ConfigError(f"config field sliding_window={window!r} must be a positive integer")
     layer_types = get("layer_types", None)
-    use_sw = get("use_sliding_window", None)
-    max_window_layers = get("max_window_layers", None)
+    if layer_types is not None and not (isinstance(layer_types, list) and all(
+            isinstance(t, str) for t in layer_types)):
+        raise ConfigError("config field layer_types must be a list of strings")
+    use_sw = as_bool("use_sliding_window", False)
+    max_window_layers = as_int("max_window_layers", 28, minimum=0)  # HF Qwen2 default
     if layer_types is not None:
         bad = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
         if bad:
@@ -403,7 +432,7 @@ def _from_hf_dict(raw: dict) -> ModelConfig:
         target_windows = tuple(kinds[:num_layers])
         mtp_windows = tuple(kinds[num_layers:]) or (None,) * num_mtp
     elif use_sw and window:
-        start = int(max_window_layers) if max_window_layers is not None else 0
+        start = max_window_layers
         target_windows = tuple(window if i >= start else None for i in range(num_layers))
         mtp_windows = (None,) * num_mtp
     else:
@@ -412,19 +441,19 @@ def _from_hf_dict(raw: dict) -> ModelConfig:
 
     common = dict(
         layout=layout,
-        vocab_size=int(get("vocab_size")),
+        vocab_size=as_int("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=int(get("intermediate_size")),
+        intermediate_size=as_int("intermediate_size"),
         num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=as_float("rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=rope_scaling,
-        partial_rotary_factor=float(get("partial_rotary_factor", 1.0)),
+        partial_rotary_factor=as_float("partial_rotary_factor", 1.0),
         max_position_embeddings=max_pos,
-        tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+        tie_word_embeddings=as_bool("tie_word_embeddings", False),
         sliding_windows=target_windows,
         num_mtp_modules=num_mtp,
         mtp_sliding_windows=mtp_windows,
@@ -445,11 +474,11 @@ def _from_hf_dict(raw: dict) -> ModelConfig:
                         mtp_own_head=True),
     }[layout]
     if "attention_bias" in raw:
-        per_layout["attention_bias"] = bool(get("attention_bias"))
+        per_layout["attention_bias"] = as_bool("attention_bias", False)
     if "qk_norm" in raw:  # our own explicit switch, also written by the exporter
-        per_layout["qk_norm"] = bool(get("qk_norm"))
+        per_layout["qk_norm"] = as_bool("qk_norm", False)
     if layout == "step3p5" and "use_qk_norm" in raw:
-        per_layout["qk_norm"] = bool(get("use_qk_norm"))
+        per_layout["qk_norm"] = as_bool("use_qk_norm", False)
     # Explicit MTP facts may be written in config.json (the exporter writes them all);
     # they override the per-layout defaults above.
     for key in ("mtp_hidden_source", "mtp_concat_order", "mtp_hidden_from",
@@ -457,7 +486,7 @@ def _from_hf_dict(raw: dict) -> ModelConfig:
         if key in raw:
             per_layout[key] = get(key)
     if "mtp_zero_embed_at_pos0" in raw:
-        per_layout["mtp_zero_embed_at_pos0"] = bool(get("mtp_zero_embed_at_pos0"))
+        per_layout["mtp_zero_embed_at_pos0"] = as_bool("mtp_zero_embed_at_pos0", True)
 
     unknown = sorted(set(raw) - used - _IGNORED)
     if unknown:
