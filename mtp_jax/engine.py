@@ -26,6 +26,7 @@ import numpy as np
 from .config import ConfigError, EngineConfig, SamplingParams, SpecConfig
 from .kv_cache import PageAllocator, make_layout
 from .sampling import split_seed
+from .sharding import shard_params, state_shardings
 from .step import (FINISH_ERROR, FINISH_LENGTH, FINISH_NONE, FINISH_STOP, Static, init_state,
                    programs)
 
@@ -72,23 +73,42 @@ class _Live:
 
 
 class Engine:
-    """Engine(model, spec=SpecConfig(...), max_batch=..., max_model_len=..., ...)."""
+    """Engine(model, spec=SpecConfig(...), max_batch=..., max_model_len=..., mesh=None, ...).
+
+    `mesh`: None (one device) or a `jax.sharding.Mesh` with axes ('dp', 'tp') (see
+    `mtp_jax.sharding.make_mesh`): params and KV sharded over tp, slots over dp.
+    """
 
     def __init__(self, model, spec: SpecConfig = SpecConfig(), config: Optional[EngineConfig] = None,
-                 **overrides):
-        self.model = model
-        self.spec = spec
+                 *, mesh=None, **overrides):
         spec.validate_for(model.config)
         eng = dataclasses.replace(config or EngineConfig(), **overrides)
+        if mesh is not None:
+            if eng.max_batch % mesh.shape["dp"]:
+                raise ConfigError(f"max_batch={eng.max_batch} must be a multiple of dp="
+                                  f"{mesh.shape['dp']}")
+            model = dataclasses.replace(model, params=shard_params(
+                jax.tree_util.tree_map(lambda x: x, model.params), mesh))
+        self.model = model
+        self.spec = spec
+        self.mesh = mesh
         self.config = eng
         k = spec.k
         n_mtp = 0 if k == 0 else (1 if spec.method == "eagle" else k)
         if spec.method in ("window", "chain", "per_step"):
             n_mtp = k
         self.layout = make_layout(model.config, eng, k, model.dtype, mtp_layers=n_mtp)
-        self.static = Static(model.config, spec, eng, self.layout)
-        self.progs = programs(self.static, model.graphdef)
-        self.state = init_state(self.static, model.dtype)
+        self.static = Static(model.config, spec, eng, self.layout, mesh)
+        if mesh is None:
+            self.progs = programs(self.static, model.graphdef)
+            self.state = init_state(self.static, model.dtype)
+        else:
+            shape = jax.eval_shape(lambda: init_state(self.static, model.dtype))
+            st_sh = state_shardings(shape, mesh, eng.max_batch)
+            p_sh = jax.tree_util.tree_map(lambda x: x.sharding, model.params)
+            self.progs = programs(self.static, model.graphdef, st_sh, p_sh)
+            self.state = jax.jit(lambda: init_state(self.static, model.dtype),
+                                 out_shardings=st_sh)()
         self.alloc = PageAllocator(self.layout)
         self.slots: list[Optional[_Live]] = [None] * eng.max_batch
         self.queue: collections.deque = collections.deque()
@@ -111,9 +131,9 @@ class Engine:
         p, st = self.model.params, self.state
         slot, zero = jnp.int32(0), jnp.int32(0)
         for c in self.buckets():
-            st, logits = self.progs.prefill_target(p, st, slot, zero, jnp.int32(1), chunk=c)
+            st, logits = self.progs.prefill_target(c)(p, st, slot, zero, jnp.int32(1))
             if self.spec.k:
-                st = self.progs.prefill_mtp(p, st, slot, zero, zero, chunk=c)
+                st = self.progs.prefill_mtp(c)(p, st, slot, zero, zero)
         st = self.progs.prefill_finish(p, st, slot, logits, jnp.int32(1))
         st = self.progs.run_steps(p, st, jnp.int32(0))
         st = self.progs.release(st, jnp.zeros((self.config.max_batch,), bool))
@@ -124,9 +144,12 @@ class Engine:
 
     def cache_sizes(self) -> dict:
         """Compiled-program cache sizes (for checking that nothing recompiles)."""
-        names = ("run_steps", "admit", "release", "prefill_target", "prefill_mtp",
-                 "prefill_finish")
-        return {n: getattr(self.progs, n)._cache_size() for n in names}
+        out = {n: getattr(self.progs, n)._cache_size()
+               for n in ("run_steps", "admit", "release", "prefill_finish")}
+        for n in ("prefill_target", "prefill_mtp"):
+            fns = [getattr(self.progs, n)(c) for c in self.buckets()]
+            out[n] = sum(f._cache_size() for f in fns)
+        return out
 
     # ------------------------------------------------------------------ checks
     def check(self, req: Request) -> Optional[str]:
@@ -191,16 +214,16 @@ class Engine:
         start, logits = 0, None
         while start < plen:
             n = min(eng.prefill_chunk, plen - start)
-            st, logits = self.progs.prefill_target(p, st, sl, jnp.int32(start), jnp.int32(n),
-                                                   chunk=self._bucket(n))
+            st, logits = self.progs.prefill_target(self._bucket(n))(
+                p, st, sl, jnp.int32(start), jnp.int32(n))
             start += n
         history_end = plen - 1 - s.k  # the final draft window starts here
         if s.k:
             start = 0
             while start < history_end:
                 n = min(eng.prefill_chunk, history_end - start)
-                st = self.progs.prefill_mtp(p, st, sl, jnp.int32(start), jnp.int32(history_end),
-                                            chunk=self._bucket(n))
+                st = self.progs.prefill_mtp(self._bucket(n))(
+                    p, st, sl, jnp.int32(start), jnp.int32(history_end))
                 start += n
         self.state = self.progs.prefill_finish(p, st, sl, logits, jnp.int32(plen))
 

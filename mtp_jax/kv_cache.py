@@ -31,6 +31,7 @@ from pallas_kernels.kv_write import DROP_SLOT, slot_mapping, write_kv
 from pallas_kernels.paged_attention import paged_attention
 
 from .config import EngineConfig, ModelConfig
+from .sharding import P, batch_axis, kv_heads_axis, shard_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,11 +156,46 @@ class PagedKV:
     (consecutive per row, ending at kv_lens - 1); it writes the new keys by slot mapping,
     dropping positions outside [0, limit), then attends. Successive forwards (verify, then
     each draft pass) see each other's writes; `caches` holds the final pages.
+
+    With a mesh, the kernels run per shard: kv heads over `tp`; rows over `dp` when
+    `batch_sharded` (the decode step), replicated otherwise (single-slot prefill). Pages
+    are replicated over `dp`, so the new rows of all slots are gathered before the write.
     """
 
-    def __init__(self, layout: KVLayout, caches, block_tables, limit, *, backend=None):
+    def __init__(self, layout: KVLayout, caches, block_tables, limit, *, backend=None,
+                 mesh=None, batch_sharded=True):
         self.layout, self.caches = layout, list(caches)
         self.block_tables, self.limit, self.backend = block_tables, limit, backend
+        self.mesh = mesh
+        rows = block_tables[0].shape[0]
+        self.dp = batch_axis(mesh, rows) if batch_sharded else None
+        self.tp = kv_heads_axis(mesh, layout.kv_heads)
+
+    def _write(self, pages, k, v, slots):
+        dp, tp = self.dp, self.tp
+
+        def write(kp, vp, k, v, slots):
+            if dp is not None:  # every dp replica of the pages takes every slot's rows
+                k, v, slots = (jax.lax.all_gather(x, dp, axis=0, tiled=True)
+                               for x in (k, v, slots))
+            return write_kv(kp, vp, k, v, slots)
+
+        page = P(tp, None, None, None)
+        rows = P(dp, None, tp, None)
+        fn = shard_kernel(write, self.mesh, (page, page, rows, rows, P(dp, None)), (page, page))
+        return fn(*pages, k, v, slots)
+
+    def _attend(self, q, kp, vp, table, kv_lens, window):
+        dp, tp = self.dp, self.tp
+
+        def attn(q, kp, vp, table, kv_lens):
+            return paged_attention(q, kp, vp, table, kv_lens, sliding_window=window,
+                                   backend=self.backend)
+
+        page = P(tp, None, None, None)
+        rows = P(dp, None, tp, None)
+        fn = shard_kernel(attn, self.mesh, (rows, page, page, P(dp, None), P(dp)), rows)
+        return fn(q, kp, vp, table, kv_lens)
 
     def attend(self, positions, kv_lens):
         slots = [slot_mapping(bt, positions, self.layout.page_size, self.limit)
@@ -167,10 +203,9 @@ class PagedKV:
 
         def attend(layer, q, k, v, window):
             g = self.layout.layer_group[layer]
-            kp, vp = write_kv(*self.caches[layer], k, v, slots[g])
+            kp, vp = self._write(self.caches[layer], k, v, slots[g])
             self.caches[layer] = (kp, vp)
-            return paged_attention(q, kp, vp, self.block_tables[g], kv_lens,
-                                   sliding_window=window, backend=self.backend)
+            return self._attend(q, kp, vp, self.block_tables[g], kv_lens, window)
 
         return attend
 

@@ -31,12 +31,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax.sharding import Mesh
+
 from pallas_kernels.shift_draft_inputs import shift_draft_inputs
 
 from .config import EngineConfig, ModelConfig, SpecConfig
 from .drafting import draft, mtp_prefill
 from .kv_cache import KVLayout, PagedKV, init_caches
 from .sampling import SALT_TARGET, accept, row_keys, sample
+from .sharding import P, batch_axis, shard_kernel
 
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH, FINISH_ERROR = 0, 1, 2, 3
 
@@ -89,6 +92,7 @@ class Static:
     spec: SpecConfig
     eng: EngineConfig
     layout: KVLayout
+    mesh: Optional[Mesh] = None
 
     @property
     def k(self) -> int:
@@ -146,7 +150,8 @@ def decode_step(model, s: Static, st: DecodeState) -> DecodeState:
     toks = jnp.concatenate([st.last_token[:, None], st.drafts], axis=1)  # [B, K+1]
     pos = length[:, None] - 1 + idx  # [B, K+1]
     limit = jnp.where(run, st.limit, 0)
-    kv = PagedKV(s.layout, st.caches, st.block_tables, limit, backend=eng.attention_backend)
+    kv = PagedKV(s.layout, st.caches, st.block_tables, limit, backend=eng.attention_backend,
+                 mesh=s.mesh)
     with jax.named_scope("verify"):
         normed, pre = model.target(toks, pos, kv.attend(pos, jnp.where(run, length + k, 0)))
         logits = model.target.head(normed)  # [B, K+1, V] f32
@@ -185,16 +190,31 @@ def decode_step(model, s: Static, st: DecodeState) -> DecodeState:
         upd["think"] = think
     if k:
         with jax.named_scope("shift"):
-            win_t, win_h, win_pos, _, hist_t, hist_h = shift_draft_inputs(
-                st.hist_tokens, st.hist_hidden, new_toks, hid.astype(st.hist_hidden.dtype), n,
-                length + n - 1, _mtp_table(s, st.block_tables), page_size=s.layout.page_size,
-                limit=limit)
+            win_t, win_h, win_pos, hist_t, hist_h = _shift(
+                s, st.hist_tokens, st.hist_hidden, new_toks, hid.astype(st.hist_hidden.dtype), n,
+                length + n - 1, _mtp_table(s, st.block_tables), limit)
         with jax.named_scope("draft"):
             drafts, logp = draft(model, s.spec.method, k, kv, win_t, win_h, win_pos, sp)
         upd.update(drafts=drafts, draft_logp=logp, hist_tokens=hist_t, hist_hidden=hist_h)
     fields = {f: getattr(st, f) for f in upd}
     merged = _where(run, upd, fields)
     return st.replace(caches=tuple(kv.caches), out_tokens=out_tokens, **merged)
+
+
+def _shift(s: Static, hist_t, hist_h, new_t, new_h, n, anchor, table, limit):
+    """shift_draft_inputs, per slot shard under a mesh (the kernel is per request)."""
+    dp = batch_axis(s.mesh, hist_t.shape[0])
+
+    def shift(hist_t, hist_h, new_t, new_h, n, anchor, table, limit):
+        win_t, win_h, win_pos, _, nt, nh = shift_draft_inputs(
+            hist_t, hist_h, new_t, new_h, n, anchor, table, page_size=s.layout.page_size,
+            limit=limit)
+        return win_t, win_h, win_pos, nt, nh
+
+    two, three = P(dp, None), P(dp, None, None)
+    fn = shard_kernel(shift, s.mesh, (two, three, two, three, P(dp), P(dp), two, P(dp)),
+                      (two, three, two, two, three))
+    return fn(hist_t, hist_h, new_t, new_h, n, anchor, table, limit)
 
 
 def run_steps(model, s: Static, st: DecodeState, num_steps) -> DecodeState:
@@ -249,7 +269,8 @@ def release(st: DecodeState, mask) -> DecodeState:
 def _slot_kv(s: Static, st: DecodeState, slot, limit):
     tables = tuple(jax.lax.dynamic_slice_in_dim(bt, slot, 1, 0) for bt in st.block_tables)
     limit = jnp.minimum(st.limit[slot], limit)[None]
-    return PagedKV(s.layout, st.caches, tables, limit, backend=s.eng.attention_backend)
+    return PagedKV(s.layout, st.caches, tables, limit, backend=s.eng.attention_backend,
+                   mesh=s.mesh, batch_sharded=False)
 
 
 def prefill_target(model, s: Static, st: DecodeState, slot, start, valid, chunk: int):
@@ -317,56 +338,69 @@ def prefill_finish(model, s: Static, st: DecodeState, slot, logits, prompt_len):
 
 
 # ---------------------------------------------------------------------------- programs
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Programs:
-    """The jitted programs for one static configuration (state donated everywhere)."""
+    """The jitted programs for one static configuration (state donated everywhere).
+
+    With a mesh, `state_sharding` / `params_sharding` pin the shardings of inputs and
+    outputs so a program's output feeds the next call without a reshard or recompile.
+    """
 
     static: Static
     graphdef: object
+    state_sharding: object = None
+    params_sharding: object = None
 
     def _merge(self, params):
         return nnx.merge(self.graphdef, params)
 
+    def _jit(self, fn, n_extra: int, *, with_params=True, logits=False):
+        """jit fn([params,] st, *extra) -> state (or (state, logits)), state donated."""
+        kw = {}
+        if self.state_sharding is not None:
+            ins = (self.params_sharding,) if with_params else ()
+            kw["in_shardings"] = ins + (self.state_sharding,) + (None,) * n_extra
+            rep = jax.sharding.NamedSharding(self.static.mesh, P())
+            kw["out_shardings"] = (self.state_sharding, rep) if logits else self.state_sharding
+        return jax.jit(fn, donate_argnums=(1 if with_params else 0,), **kw)
+
     @functools.cached_property
     def run_steps(self):
-        @functools.partial(jax.jit, donate_argnums=(1,))
         def f(params, st, num_steps):
             return run_steps(self._merge(params), self.static, st, num_steps)
-        return f
+        return self._jit(f, 1)
 
     @functools.cached_property
     def admit(self):
-        return jax.jit(functools.partial(admit, self.static), donate_argnums=(0,))
+        return self._jit(functools.partial(admit, self.static), 13, with_params=False)
 
     @functools.cached_property
     def release(self):
-        return jax.jit(release, donate_argnums=(0,))
+        return self._jit(release, 1, with_params=False)
 
-    @functools.cached_property
-    def prefill_target(self):
-        @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("chunk",))
-        def f(params, st, slot, start, valid, *, chunk):
+    @functools.cache
+    def prefill_target(self, chunk: int):
+        """The target-prefill program for one chunk length (one compile per bucket)."""
+        def f(params, st, slot, start, valid):
             return prefill_target(self._merge(params), self.static, st, slot, start, valid, chunk)
-        return f
+        return self._jit(f, 3, logits=True)
 
-    @functools.cached_property
-    def prefill_mtp(self):
-        @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("chunk",))
-        def f(params, st, slot, start, history_end, *, chunk):
+    @functools.cache
+    def prefill_mtp(self, chunk: int):
+        def f(params, st, slot, start, history_end):
             return prefill_mtp(self._merge(params), self.static, st, slot, start, history_end,
                                chunk)
-        return f
+        return self._jit(f, 3)
 
     @functools.cached_property
     def prefill_finish(self):
-        @functools.partial(jax.jit, donate_argnums=(1,))
         def f(params, st, slot, logits, prompt_len):
             return prefill_finish(self._merge(params), self.static, st, slot, logits, prompt_len)
-        return f
+        return self._jit(f, 3)
 
 
-def programs(static: Static, graphdef) -> Programs:
-    return Programs(static, graphdef)
+def programs(static: Static, graphdef, state_sharding=None, params_sharding=None) -> Programs:
+    return Programs(static, graphdef, state_sharding, params_sharding)
 
 
 __all__ = ["DecodeState", "SamplingState", "Static", "Programs", "programs", "init_state",

@@ -1,0 +1,319 @@
+"""End-to-end decode benchmark on a 7-8 B dense shape (MiMo-7B dimensions, 3 MTP modules).
+
+  PYTHONPATH=. python launch/bench_decode.py [--batches 1,8,32,64] [--ctxs 1024,4096]
+      [--acceptance checkpoints/acceptance.json] [--tiny]
+
+Random bf16 weights arranged so that greedy decoding is a fixed permutation of the
+current token and every MTP module predicts it too (attention / MLP output projections
+are zero, so they cost their full bytes but change nothing): the "oracle draft that
+always agrees". All timings use the engine's own jitted programs on a state built
+directly at the wanted context (every slot active, kv_len = ctx; prefill is not timed).
+
+Per (batch B, context ctx), all in one run with the copy bandwidth measured beside them:
+- plain decode step (`method=none`, the engine's `run_steps` loop, per step) against
+  the limit (target weights bytes + KV bytes read) / copy bandwidth;
+- verify: target forward over K+1 = 4 tokens per slot (N times in one jitted
+  `fori_loop`) divided by the plain step time;
+- draft: the `chain` draft of 3 modules + heads over a 4-token window (fori_loop), against
+  its own bytes limit (module weights + the head read once per module + MTP KV);
+- device idle fraction: the engine pattern (4 dispatches of `run_steps` of N/4 steps,
+  each followed by the host collecting the small per-slot arrays) against the same N
+  steps in one dispatch: idle = 1 - one-dispatch time / engine-pattern time (the host
+  gap between dispatches; the loop's own per-step predicate is inside both);
+- tokens/s: plain (B / step), oracle speculative measured (generated tokens / time in
+  the engine loop with K = 3 and every draft accepted) and projected at the shipped
+  model's acceptance per depth (B * (1 + sum_d a_d) / speculative step time).
+Bytes: weights counted once per step (embedding only for the gathered rows: negligible),
+KV = B * ctx * layers * 2 * kv_heads * head_dim * 2 bytes.
+With $OUT set, writes bench_decode.json and bench_decode.md there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_paged_attention import copy_bandwidth  # noqa: E402
+
+from mtp_jax.checkpoint import Model, abstract_model  # noqa: E402
+from mtp_jax.config import EngineConfig, ModelConfig, SpecConfig  # noqa: E402
+from mtp_jax.drafting import draft  # noqa: E402
+from mtp_jax.kv_cache import PagedKV, make_layout  # noqa: E402
+from mtp_jax.step import SamplingState, Static, init_state, programs  # noqa: E402
+
+MIMO_7B = dict(layout="mimo", vocab_size=151680, hidden_size=4096, intermediate_size=11008,
+               num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, num_mtp_modules=3,
+               attention_bias=True, rope_theta=640000.0, max_position_embeddings=32768,
+               mtp_hidden_source="previous", dtype="bfloat16")
+TINY = dict(MIMO_7B, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+            num_heads=4, num_kv_heads=2, head_dim=16, dtype="float32")
+K = 3
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def oracle_model(cfg: ModelConfig, dtype, seed=0) -> Model:
+    """Random weights whose greedy continuation is perm(current token), drafts agreeing."""
+    graphdef, state = nnx.split(abstract_model(cfg, dtype))
+    key = jax.random.PRNGKey(seed)
+    v, d = cfg.vocab_size, cfg.hidden_size
+    perm = jax.random.permutation(jax.random.fold_in(key, 1), v)
+    inv = jnp.argsort(perm)
+
+    @jax.jit
+    def embed_and_head(k):
+        e = jax.random.normal(k, (v, d), jnp.float32)
+        n = e * jax.lax.rsqrt(jnp.mean(e * e, -1, keepdims=True))
+        return e.astype(dtype), (n[inv].T / np.sqrt(d) * 30.0).astype(dtype)
+
+    emb, head = embed_and_head(jax.random.fold_in(key, 2))
+    eye = jnp.eye(d, dtype=dtype)
+    for i, (path, var) in enumerate(state.flat_state()):
+        path = tuple(path)
+        shape = var.get_value().shape
+        name = path[-1] if path[-1] != "weight" else path[-2]
+        if path == ("target", "embed"):
+            val = emb
+        elif path == ("target", "lm_head"):
+            val = head
+        elif path[-1] == "weight":  # norms
+            val = jnp.ones(shape, dtype)
+        elif name in ("o", "down", "qkv_bias"):
+            val = jnp.zeros(shape, dtype)
+        elif name == "proj":  # hidden first in the MiMo concat: pass the embedding half
+            val = jnp.concatenate([jnp.zeros((d, d), dtype), eye], 0)
+        else:
+            fan_in = shape[0]
+            val = (jax.random.normal(jax.random.fold_in(key, 100 + i), shape, jnp.float32)
+                   * fan_in ** -0.5).astype(dtype)
+        var.set_value(val)
+    return Model(cfg, graphdef, state)
+
+
+def weight_bytes(model: Model, prefix) -> int:
+    total = 0
+    for path, var in model.params.flat_state():
+        if tuple(path)[: len(prefix)] == prefix and tuple(path) != ("target", "embed"):
+            total += var.get_value().nbytes
+    return total
+
+
+def decoding_state(static: Static, model: Model, b: int, ctx: int, dtype):
+    """Every slot active at kv_len = ctx, sequential pages, huge budgets."""
+    st = init_state(static, dtype)
+    layout = static.layout
+    per = layout.pages_for(0, static.eng.max_model_len + K)
+    tables = []
+    for g, grp in enumerate(layout.groups):
+        rows = np.zeros((b, layout.width), np.int32)
+        for i in range(b):
+            rows[i, :per] = 1 + i * per + np.arange(per)
+        tables.append(jnp.asarray(rows))
+    rng = np.random.default_rng(0)
+    return st.replace(
+        active=jnp.ones((b,), bool), length=jnp.full((b,), ctx, jnp.int32),
+        last_token=jnp.asarray(rng.integers(0, model.config.vocab_size, b), jnp.int32),
+        max_tokens=jnp.full((b,), 1 << 30, jnp.int32),
+        limit=jnp.full((b,), per * layout.page_size, jnp.int32),
+        block_tables=tuple(tables))
+
+
+def timed(fn, reps=3):
+    """Best and median seconds of fn() (which blocks)."""
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return min(ts), statistics.median(ts)
+
+
+def bench_batch(model, b, ctxs, steps, dtype, acceptance):
+    cfg = model.config
+    max_len = max(ctxs) + steps * (K + 1) * 4 + 64
+    eng = EngineConfig(max_batch=b, max_model_len=max_len, page_size=16, prefill_chunk=16)
+    out = []
+    progs = {}
+    for method in ("none", "chain"):
+        spec = SpecConfig(method=method, num_speculative_tokens=K)
+        layout = make_layout(cfg, eng, spec.k, dtype, mtp_layers=spec.k)
+        progs[method] = programs(Static(cfg, spec, eng, layout), model.graphdef)
+    static_c = progs["chain"].static
+    p = model.params
+
+    def verify_loop(q):
+        @jax.jit
+        def f(params, st, n):
+            m = nnx.merge(model.graphdef, params)
+
+            def body(i, carry):
+                caches, tok = carry
+                kv = PagedKV(static_c.layout, caches, st.block_tables, st.limit)
+                pos = st.length[:, None] - 1 + jnp.arange(q)
+                toks = jnp.broadcast_to(tok[:, None], (b, q))
+                normed, _ = m.target(toks, pos, kv.attend(pos, st.length + q - 1))
+                logits = m.target.head(normed)
+                return tuple(kv.caches), jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
+
+            return jax.lax.fori_loop(0, n, body, (st.caches, st.last_token))[1]
+        return f
+
+    @jax.jit
+    def draft_loop(params, st, n):
+        m = nnx.merge(model.graphdef, params)
+        sp = st.sampling
+
+        def body(i, carry):
+            caches, tok = carry
+            kv = PagedKV(static_c.layout, caches, st.block_tables, st.limit)
+            a = st.length - 2
+            pos = a[:, None] - K + jnp.arange(K + 1)
+            toks = jnp.broadcast_to(tok[:, None], (b, K + 1))
+            hid = jnp.zeros((b, K + 1, cfg.hidden_size), dtype) + tok[:, None, None].astype(dtype)
+            d, _ = draft(m, "chain", K, kv, toks, hid, pos, sp)
+            return tuple(kv.caches), d[:, -1]
+
+        return jax.lax.fori_loop(0, n, body, (st.caches, st.last_token))[1]
+
+    t0 = time.perf_counter()
+    v4 = verify_loop(K + 1)
+    for ctx in ctxs:
+        row = dict(batch=b, ctx=ctx)
+        sts = {mth: decoding_state(progs[mth].static, model, b, ctx, dtype) for mth in progs}
+        # compile + warm
+        for mth, pr in progs.items():
+            sts[mth] = jax.block_until_ready(pr.run_steps(p, sts[mth], jnp.int32(1)))
+            sts[mth] = decoding_state(pr.static, model, b, ctx, dtype)
+        jax.block_until_ready(v4(p, sts["chain"], 1))
+        jax.block_until_ready(draft_loop(p, sts["chain"], 1))
+        row["compile_s"] = time.perf_counter() - t0
+        n = jnp.int32(steps)
+        # plain and speculative steps through the engine's while loop
+        for mth, pr in progs.items():
+            holder = {"st": sts[mth]}
+
+            def run():
+                holder["st"] = jax.block_until_ready(pr.run_steps(p, holder["st"], n))
+            best, med = timed(run)
+            row[f"{mth}_step_ms"] = best / steps * 1e3
+            row[f"{mth}_step_ms_median"] = med / steps * 1e3
+            sts[mth] = holder["st"]
+        best, _ = timed(lambda: jax.block_until_ready(v4(p, sts["chain"], steps)))
+        row["verify4_ms"] = best / steps * 1e3
+        best, _ = timed(lambda: jax.block_until_ready(draft_loop(p, sts["chain"], steps)))
+        row["draft_ms"] = best / steps * 1e3
+        # idle: engine pattern (dispatches + host collect) vs the same steps in one dispatch
+        one_s = row["chain_step_ms"] * steps / 1e3
+        st = decoding_state(static_c, model, b, ctx, dtype)
+        gen0 = 0
+        t0e = time.perf_counter()
+        dispatches = 4
+        for _ in range(dispatches):
+            st = progs["chain"].run_steps(p, st, jnp.int32(steps // dispatches))
+            small = jax.device_get((st.active, st.finish, st.num_generated, st.steps,
+                                    st.accepted))
+        eng_s = time.perf_counter() - t0e
+        gen = int(np.sum(small[2])) - gen0
+        row["idle_fraction"] = max(0.0, 1 - one_s / eng_s)
+        row["oracle_tokens_per_s"] = gen / eng_s
+        row["oracle_tokens_per_step"] = gen / b / steps
+        row["plain_tokens_per_s"] = b / (row["none_step_ms"] / 1e3)
+        e = 1 + sum(acceptance) if acceptance else None
+        row["projected_tokens_per_s"] = b * e / (row["chain_step_ms"] / 1e3) if e else None
+        out.append(row)
+        log(json.dumps(row))
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], "bench_decode_rows.jsonl"), "a") as f:
+                f.write(json.dumps(row) + "\n")
+        t0 = time.perf_counter()
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,32,8,64")
+    ap.add_argument("--ctxs", default="1024,4096")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--acceptance", default="checkpoints/acceptance.json",
+                    help="JSON with the shipped model's acceptance per depth (chain, K=3)")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke run)")
+    args = ap.parse_args(argv)
+    cfg = ModelConfig(**(TINY if args.tiny else MIMO_7B))
+    dtype = jnp.dtype(cfg.dtype)
+    acceptance = None
+    if os.path.exists(args.acceptance):
+        with open(args.acceptance) as f:
+            data = json.load(f)
+        acc = data.get("methods", data)
+        best = max(acc, key=lambda m: acc[m].get("mean_accepted_length", 0))
+        acceptance = acc[best]["acceptance_per_depth"]
+        log(f"shipped-model acceptance per depth ({best}): {acceptance}")
+    dev = jax.devices()[0]
+    log(f"device {dev.device_kind}, jax {jax.__version__}")
+    bw = copy_bandwidth() if jax.default_backend() == "gpu" else {"none": float("nan")}
+    best_bw = max(bw.values())
+    log(f"copy bandwidth {bw}")
+    t0 = time.perf_counter()
+    model = oracle_model(cfg, dtype)
+    jax.block_until_ready(model.params)
+    log(f"model {cfg.num_params / 1e9:.2f} B params built in {time.perf_counter() - t0:.1f}s")
+    tw = weight_bytes(model, ("target",))
+    mtp_w = weight_bytes(model, ("mtp",))
+    head = cfg.hidden_size * cfg.vocab_size * dtype.itemsize
+    kv_tok = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    rows = []
+    for b in [int(x) for x in args.batches.split(",")]:
+        for row in bench_batch(model, b, [int(x) for x in args.ctxs.split(",")], args.steps,
+                               dtype, acceptance):
+            ctx = row["ctx"]
+            plain_bytes = tw + b * ctx * kv_tok
+            draft_bytes = mtp_w + K * head + K * b * ctx * kv_tok / cfg.num_layers
+            row["plain_limit_ms"] = plain_bytes / best_bw * 1e3
+            row["plain_pct_of_limit"] = row["plain_limit_ms"] / row["none_step_ms"] * 100
+            row["verify_ratio"] = row["verify4_ms"] / row["none_step_ms"]
+            row["draft_limit_ms"] = draft_bytes / best_bw * 1e3
+            row["draft_pct_of_limit"] = row["draft_limit_ms"] / row["draft_ms"] * 100
+            row["oracle_speedup"] = row["oracle_tokens_per_s"] / row["plain_tokens_per_s"]
+            if row["projected_tokens_per_s"]:
+                row["projected_speedup"] = row["projected_tokens_per_s"] / row["plain_tokens_per_s"]
+            rows.append(row)
+    head_md = ("| B | ctx | plain ms (limit, %) | verify(4) / plain | draft ms (limit, %) | "
+               "idle | plain tok/s | oracle spec tok/s (x) | projected tok/s (x) |\n"
+               "|---|---|---|---|---|---|---|---|---|\n")
+    md = head_md + "".join(
+        f"| {r['batch']} | {r['ctx']} | {r['none_step_ms']:.2f} ({r['plain_limit_ms']:.2f}, "
+        f"{r['plain_pct_of_limit']:.0f} %) | {r['verify_ratio']:.2f} | {r['draft_ms']:.2f} "
+        f"({r['draft_limit_ms']:.2f}, {r['draft_pct_of_limit']:.0f} %) | "
+        f"{r['idle_fraction'] * 100:.1f} % | {r['plain_tokens_per_s']:.0f} | "
+        f"{r['oracle_tokens_per_s']:.0f} ({r['oracle_speedup']:.2f}) | "
+        + (f"{r['projected_tokens_per_s']:.0f} ({r['projected_speedup']:.2f})"
+           if r.get("projected_speedup") else "n/a") + " |\n" for r in rows)
+    log("\n" + md)
+    out = os.environ.get("OUT")
+    if out:
+        meta = dict(device=dev.device_kind, jax=jax.__version__, copy_bandwidth=bw,
+                    config=dataclasses.asdict(cfg), acceptance=acceptance,
+                    weights_bytes=tw, mtp_bytes=mtp_w, argv=sys.argv)
+        with open(os.path.join(out, "bench_decode.json"), "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1, default=str)
+        with open(os.path.join(out, "bench_decode.md"), "w") as f:
+            f.write(md)
+
+
+if __name__ == "__main__":
+    main()

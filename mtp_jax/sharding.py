@@ -1,0 +1,134 @@
+"""One logical-axis sharding table for params, decode state and the kernels.
+
+Mesh axes: `tp` (tensor parallel: attention heads, MLP, vocabulary; the MTP modules too)
+and `dp` (data parallel over decode slots). `mesh=None` means one device and no
+constraints anywhere.
+
+Every parameter's logical axes are derived from its name and rank (the layouts are
+documented in model.py); `RULES` maps logical axes to mesh axes. An axis whose size does
+not divide by its mesh axis stays replicated. XLA's SPMD partitioner shards the einsums
+from these parameter shardings (Megatron pattern: qkv / gate_up by head and MLP column,
+o / down contracting the sharded axis with one all-reduce; lm_head by vocabulary).
+
+The Pallas kernels cannot be partitioned by XLA, so they run per shard under
+`jax.shard_map` (`shard_kernel`): paged attention and KV writes per kv-head shard (and
+per slot shard over `dp`); the KV pages are sharded by kv head over `tp` and replicated
+over `dp`, each dp shard writing the new KV rows of every slot (all-gathered over `dp`,
+a few KiB per step) so the replicas stay identical.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+RULES = {"vocab": "tp", "kv_heads": "tp", "q_heads": "tp", "mlp": "tp", "batch": "dp",
+         "embed": None}
+
+# parameter name -> logical axes (by the last path element; rank checked)
+_PARAM_AXES = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "head": ("embed", "vocab"),
+    "qkv": ("embed", "kv_heads", None, None),
+    "qkv_bias": ("kv_heads", None, None),
+    "o": ("q_heads", None, "embed"),
+    "gate_up": ("embed", None, "mlp"),
+    "down": ("mlp", "embed"),
+    "proj": (None, "embed"),
+    "weight": (None,),
+}
+
+
+def make_mesh(spec: Optional[str], devices=None) -> Optional[Mesh]:
+    """A ('dp', 'tp') mesh from "tp=N,dp=M" (either may be omitted), or None."""
+    if not spec:
+        return None
+    sizes = {"tp": 1, "dp": 1}
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(tp|dp)\s*=\s*(\d+)\s*", part)
+        if not m:
+            raise ValueError(f"mesh spec {spec!r}: expected 'tp=N,dp=M'")
+        sizes[m.group(1)] = int(m.group(2))
+    devices = list(devices if devices is not None else jax.devices())
+    n = sizes["tp"] * sizes["dp"]
+    if n > len(devices) or n < 1:
+        raise ValueError(f"mesh {spec!r} needs {n} devices, {len(devices)} available")
+    return Mesh(np.asarray(devices[:n]).reshape(sizes["dp"], sizes["tp"]), ("dp", "tp"))
+
+
+def _spec(mesh: Mesh, axes, shape) -> P:
+    out = []
+    for ax, dim in zip(axes, shape):
+        name = RULES.get(ax) if ax else None
+        if name and dim % mesh.shape[name] == 0 and mesh.shape[name] > 1:
+            out.append(name)
+        else:
+            out.append(None)
+    return P(*out)
+
+
+def param_spec(mesh: Mesh, path: tuple, shape) -> P:
+    axes = _PARAM_AXES.get(path[-1])
+    if axes is None or len(axes) != len(shape):
+        axes = (None,) * len(shape)
+    return _spec(mesh, axes, shape)
+
+
+def param_sharding(mesh: Optional[Mesh]):
+    """`shardings(path, shape)` for checkpoint restore (None -> None)."""
+    if mesh is None:
+        return None
+    return lambda path, shape: NamedSharding(mesh, param_spec(mesh, tuple(path), shape))
+
+
+def shard_params(params, mesh: Optional[Mesh]):
+    """Place an nnx.State of params on the mesh by the table."""
+    if mesh is None:
+        return params
+    for path, var in params.flat_state():
+        v = var.get_value()
+        var.set_value(jax.device_put(v, NamedSharding(mesh, param_spec(mesh, tuple(path),
+                                                                         v.shape))))
+    return params
+
+
+def state_shardings(state, mesh: Mesh, max_batch: int):
+    """NamedShardings for a DecodeState: per-slot fields by `dp`, KV pages by `tp`."""
+    dp = mesh.shape["dp"]
+
+    def one(path, x):
+        names = [getattr(k, "name", getattr(k, "key", None)) for k in path]
+        if "caches" in names:  # [kv_heads, pages, page_size, head_dim]
+            return NamedSharding(mesh, _spec(mesh, ("kv_heads", None, None, None), x.shape))
+        if names and names[0] in ("prefill_tokens", "prefill_hidden") or x.ndim == 0:
+            return NamedSharding(mesh, P())
+        if x.shape[0] == max_batch and max_batch % dp == 0:
+            return NamedSharding(mesh, P("dp", *([None] * (x.ndim - 1))))
+        return NamedSharding(mesh, P())
+
+    return jax.tree_util.tree_map_with_path(one, state)
+
+
+def shard_kernel(fn, mesh: Optional[Mesh], in_specs, out_specs):
+    """Run `fn` per shard (kernels XLA cannot partition); identity when mesh is None."""
+    if mesh is None:
+        return fn
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
+
+
+def kv_heads_axis(mesh: Optional[Mesh], kv_heads: int):
+    if mesh is None or mesh.shape["tp"] == 1 or kv_heads % mesh.shape["tp"]:
+        return None
+    return "tp"
+
+
+def batch_axis(mesh: Optional[Mesh], batch: int):
+    if mesh is None or mesh.shape["dp"] == 1 or batch % mesh.shape["dp"]:
+        return None
+    return "dp"
