@@ -52,8 +52,9 @@ def read_safetensors_header(path: str) -> dict:
                                   f"(header length {n}, file size {size})")
         try:
             header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{path}: corrupt safetensors header: {e}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise CheckpointError(f"{path}: corrupt safetensors header: "
+                                  f"{type(e).__name__}: {str(e)[:200]}") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header")
     out, problems = {}, []
@@ -66,10 +67,17 @@ def read_safetensors_header(path: str) -> dict:
         except (KeyError, TypeError, ValueError):
             problems.append(f"{name}: malformed header entry")
             continue
-        if code not in _ST_DTYPES:
-            problems.append(f"{name}: unsupported dtype {code}")
+        ints = all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                   for x in shape + (b, e))
+        if not ints:
+            problems.append(f"{name}: shape and data offsets must be non-negative integers")
             continue
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(_ST_DTYPES[code]).itemsize
+        if not isinstance(code, str) or code not in _ST_DTYPES:
+            problems.append(f"{name}: unsupported dtype {code!r}")
+            continue
+        nbytes = np.dtype(_ST_DTYPES[code]).itemsize
+        for x in shape:  # Python ints: no overflow however large the header claims
+            nbytes *= x
         if e - b != nbytes or b < 0:
             problems.append(f"{name}: data offsets {b}..{e} do not match shape {shape} {code}")
         elif e > data_size:
@@ -430,7 +438,10 @@ def load_tokenizer(path: str):
         return None
     from tokenizers import Tokenizer  # the one heavy import, only when needed
 
-    return Tokenizer.from_file(tok)
+    try:
+        return Tokenizer.from_file(tok)
+    except Exception as e:  # the tokenizers library raises a bare Exception
+        raise CheckpointError(f"{tok}: unreadable tokenizer: {str(e)[:300]}") from None
 
 
 # ----------------------------------------------------------------------------- orbax
@@ -468,8 +479,16 @@ def load_orbax(path: str, *, dtype=None, shardings: Optional[Callable] = None) -
 
     path = os.path.abspath(path)
     cfg = ModelConfig.from_hf(path)
-    with open(os.path.join(path, ORBAX_MARKER)) as f:
-        saved_dtype = json.load(f).get("dtype", "float32")
+    try:
+        with open(os.path.join(path, ORBAX_MARKER)) as f:
+            marker = json.load(f)
+        saved_dtype = jnp.dtype(marker.get("dtype", "float32"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError, TypeError) as e:
+        raise CheckpointError(f"{path}: unreadable {ORBAX_MARKER}: {type(e).__name__}: "
+                              f"{e}") from None
+    if not jnp.issubdtype(saved_dtype, jnp.floating):
+        raise CheckpointError(f"{path}: {ORBAX_MARKER} names dtype {saved_dtype}, not a "
+                              "float type")
     dtype = jnp.dtype(dtype or saved_dtype)
     graphdef, state = nnx.split(abstract_model(cfg, dtype))
     target = {}

@@ -159,7 +159,7 @@ class ModelConfig:
             with open(path) as f:
                 try:
                     raw = json.load(f)
-                except json.JSONDecodeError as e:
+                except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
                     raise ConfigError(f"{path} is not valid JSON: {e}") from None
             if not isinstance(raw, dict):
                 raise ConfigError(f"{path} does not hold a JSON object")
@@ -238,12 +238,24 @@ class SamplingParams:
     def __post_init__(self):
         import math
         errs = []
+        stop, ids = self.stop, self.stop_token_ids
+        if isinstance(stop, str):  # one stop string, not its characters
+            stop = (stop,)
+        if not isinstance(stop, (tuple, list)):
+            errs.append(f"stop must be a list of strings, got {stop!r}")
+            stop = ()
+        if not isinstance(ids, (tuple, list)):
+            errs.append(f"stop_token_ids must be a list of integers, got {ids!r}")
+            ids = ()
+        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
         t = self.temperature
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) \
                 or t < 0 or t > 100:
             errs.append(f"temperature must be a finite number in [0, 100], got {t!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            errs.append(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or \
+                not 0 <= self.top_k < 2**31:
+            errs.append(f"top_k must be an integer in [0, 2**31), got {self.top_k!r}")
         p = self.top_p
         if not isinstance(p, (int, float)) or isinstance(p, bool) or not math.isfinite(p) \
                 or not 0 < p <= 1:
@@ -256,9 +268,9 @@ class SamplingParams:
             errs.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             errs.append("stop must be a list of non-empty strings")
-        if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+        if not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**31
                    for s in self.stop_token_ids):
-            errs.append("stop_token_ids must be non-negative integers")
+            errs.append("stop_token_ids must be integers in [0, 2**31)")
         if errs:
             raise ConfigError("; ".join(errs))
 

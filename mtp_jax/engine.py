@@ -253,25 +253,55 @@ class Engine:
                 if pages is None:
                     return  # wait for pages to be released, keep the order
                 self.queue.popleft()
-                self._admit(slot, req, pages)
+                try:
+                    self._admit(slot, req, pages)
+                except Exception as e:  # never lose the batch or leak the reservation
+                    self.alloc.release(pages)
+                    self.state = self.progs.release(self.state, self._mask([slot]))
+                    out.append(self._error(req, f"could not admit: {type(e).__name__}: {e}"))
+                    continue
                 self.slots[slot] = _Live(req, pages, tuple(req.sampling.stop))
                 break
             else:
                 return
+
+    def _mask(self, slots) -> np.ndarray:
+        m = np.zeros((self.config.max_batch,), bool)
+        m[list(slots)] = True
+        return m
+
+    def abort(self) -> None:
+        """Drop queued requests and free every slot (after an interrupted stream)."""
+        self.queue.clear()
+        live = [i for i, x in enumerate(self.slots) if x is not None]
+        for i in live:
+            self.alloc.release(self.slots[i].pages)
+            self.slots[i] = None
+        if live:
+            self.state = self.progs.release(self.state, self._mask(live))
 
     def _error(self, req: Request, msg: str) -> Result:
         return Result(req.id, [], "error", len(req.prompt_ids) if isinstance(
             req.prompt_ids, (list, tuple, np.ndarray)) else 0, error=msg)
 
     # -------------------------------------------------------------- collection
+    @staticmethod
+    def _fetch(tree):
+        """Host copies of (possibly process-spanning) arrays; identical on every process."""
+        leaves = jax.tree_util.tree_leaves(tree)
+        if jax.process_count() == 1 or all(x.is_fully_addressable for x in leaves):
+            return jax.device_get(tree)
+        from jax.experimental import multihost_utils
+        return multihost_utils.process_allgather(tree, tiled=True)
+
     def _collect(self) -> list:
         st = self.state
-        active, finish, ngen, steps, acc = jax.device_get(
+        active, finish, ngen, steps, acc = self._fetch(
             (st.active, st.finish, st.num_generated, st.steps, st.accepted))
         live = [i for i, x in enumerate(self.slots) if x is not None]
         stop_hit = {}
         need_tokens = [i for i in live if finish[i] != FINISH_NONE or self.slots[i].stop_strings]
-        out_tokens = np.asarray(jax.device_get(st.out_tokens)) if need_tokens else None
+        out_tokens = np.asarray(self._fetch(st.out_tokens)) if need_tokens else None
         done = np.zeros((self.config.max_batch,), bool)
         results = []
         for i in live:
@@ -327,42 +357,62 @@ class Engine:
 
     # --------------------------------------------------------------------- API
     def stream(self, requests: Iterable[Request]) -> Iterator[Result]:
-        """Run requests with continuous batching; yield each Result as it finishes."""
+        """Run requests with continuous batching; yield each Result as it finishes.
+
+        If the consumer stops early or the run is interrupted, the remaining requests are
+        dropped and their slots freed, so the engine is ready for the next call."""
         for r in requests:
             self.queue.append(r)
         if not self.queue:
             return
-        self.warmup()
-        while self.queue or any(x is not None for x in self.slots):
-            out = []
-            self._fill_slots(out)
-            yield from out
-            if not any(x is not None for x in self.slots):
-                continue
-            t0 = time.perf_counter()
-            self.state = self.progs.run_steps(self.model.params, self.state,
-                                              jnp.int32(self.config.steps_per_dispatch))
-            for res in self._collect():
-                yield res
-            self.stats["dispatch_seconds"] += time.perf_counter() - t0
-            self.stats["dispatches"] += 1
+        try:
+            self.warmup()
+            while self.queue or any(x is not None for x in self.slots):
+                out = []
+                self._fill_slots(out)
+                yield from out
+                if not any(x is not None for x in self.slots):
+                    continue
+                t0 = time.perf_counter()
+                self.state = self.progs.run_steps(self.model.params, self.state,
+                                                  jnp.int32(self.config.steps_per_dispatch))
+                for res in self._collect():
+                    yield res
+                self.stats["dispatch_seconds"] += time.perf_counter() - t0
+                self.stats["dispatches"] += 1
+        finally:
+            self.abort()
 
     def generate(self, prompts, sampling: Optional[SamplingParams] = None) -> list[Result]:
-        """Generate for prompts (token-id lists, strings, or Requests); results in order."""
-        reqs = []
+        """Generate for prompts (token-id lists, strings, or Requests); results in order.
+
+        A prompt that cannot run (wrong type, untokenizable text, out-of-vocabulary ids, too
+        long) gets an error Result in its place; the rest of the batch runs."""
+        reqs, errors = [], {}
         for i, p in enumerate(prompts):
-            if isinstance(p, Request):
-                reqs.append(p)
-                continue
-            if isinstance(p, str):
+            req = p if isinstance(p, Request) else Request(i, p, sampling or SamplingParams())
+            ids = req.prompt_ids
+            if isinstance(p, str):  # text prompts; a Request's prompt_ids must be ids
                 if self.model.tokenizer is None:
-                    raise ConfigError("text prompts need a tokenizer (tokenizer.json)")
-                p = self.model.tokenizer.encode(p).ids
-            reqs.append(Request(i, list(p), sampling or SamplingParams()))
-        results: dict = {}
-        for res in self.stream(reqs):
-            results.setdefault(res.id, []).append(res)
-        return [results[r.id].pop(0) for r in reqs]  # ids may repeat: first come, first out
+                    errors[i] = "text prompts need a tokenizer (tokenizer.json)"
+                else:
+                    try:
+                        ids = self.model.tokenizer.encode(ids).ids
+                    except Exception as e:  # the tokenizer refuses e.g. lone surrogates
+                        errors[i] = f"cannot tokenize the prompt: {e}"
+            # run under the batch index, so equal ids never swap results
+            reqs.append(Request(i, ids, req.sampling))
+        originals = [p if isinstance(p, Request) else Request(i, p) for i, p in
+                     enumerate(prompts)]
+        results = {i: self._error(Request(i, []), msg) for i, msg in errors.items()}
+        for res in self.stream([r for r in reqs if r.id not in errors]):
+            results[res.id] = res
+        for i, res in results.items():
+            res.id = originals[i].id
+            if i in errors or res.error and not res.token_ids:
+                res.num_prompt_tokens = len(reqs[i].prompt_ids) if isinstance(
+                    reqs[i].prompt_ids, (list, tuple, np.ndarray)) else 0
+        return [results[i] for i in range(len(reqs))]
 
 
 __all__ = ["Engine", "Request", "Result"]

@@ -7,7 +7,10 @@ line gets exactly one output record, appended whole and flushed as soon as it is
 results in the order requests finish, error records (`{"id": ..., "error": ...}`) as soon
 as a line is found unrunnable. A line without a usable id is called `line N` (1-based).
 Ids need not be unique (each line still gets its own record), but `--resume`, which skips
-every id already in the output file, error records included, treats equal ids as one.
+every id already in the output file, error records included, treats equal ids as one; it
+first cuts off a torn last line (a record an interrupted run did not finish writing), so
+the file stays one whole JSON object per line. A UTF-8 byte-order mark before the first
+line is ignored.
 Progress and the summary go to stderr. The exit status is non-zero only when nothing can
 run: no model, an unreadable input, an unwritable output, or an invalid engine setup.
 """
@@ -27,9 +30,11 @@ from typing import Optional
 from .checkpoint import CheckpointError, load
 from .config import METHODS, ConfigError, EngineConfig, SamplingParams, SpecConfig
 from .engine import Engine, Request
+from .sharding import make_mesh
 
 DEFAULT_MODEL_ENV = "MTP_JAX_DEFAULT_MODEL"  # overrides the shipped checkpoints/ folder
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+INT32_MAX = 2**31 - 1  # top_k travels to the device as int32
 
 
 class LineError(ValueError):
@@ -100,11 +105,14 @@ def build_request(obj, tokenizer, defaults: SamplingParams):
                                  **{k: obj[k] for k in SAMPLING_FIELDS if k in obj})
     except ConfigError as e:
         raise LineError(f"invalid sampling values: {e}") from None
+    if sp.top_k > INT32_MAX:
+        raise LineError(f"invalid sampling values: top_k must be <= {INT32_MAX}, got {sp.top_k}")
     return ids, sp
 
 
 def read_lines(data: bytes):
     """(parsed object or LineError, id) for every non-blank line of the input."""
+    data = data.removeprefix(b"\xef\xbb\xbf")  # a BOM some editors write first
     for n, raw in enumerate(data.split(b"\n"), 1):
         if not raw.strip():
             continue
@@ -117,27 +125,29 @@ def read_lines(data: bytes):
                             f"offset {e.start})")
         try:
             obj = json.loads(text)
-        except (json.JSONDecodeError, RecursionError) as e:
+        except (ValueError, RecursionError) as e:  # ValueError: also ints of > 4300 digits
             obj, bad = None, bad or LineError(f"malformed JSON: {e}")
         rid = obj.get("id") if isinstance(obj, dict) else None
         yield bad or obj, rid if rid is not None and _is_scalar(rid) else f"line {n}"
 
 
-def done_ids(path: str) -> tuple[set, bool]:
-    """Ids recorded in an existing output file, and whether it ends in a torn line."""
+def done_ids(path: str) -> tuple[set, Optional[int]]:
+    """Ids recorded in an existing output file, and the length to cut it to when it ends
+    in a torn line (None when it does not)."""
     try:
         data = Path(path).read_bytes()
     except FileNotFoundError:
-        return set(), False
+        return set(), None
+    whole = data.rfind(b"\n") + 1  # bytes up to the end of the last whole line
     ids = set()
-    for raw in data.split(b"\n"):
+    for raw in data[:whole].split(b"\n"):
         try:
             rec = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-            continue  # a torn or foreign line: as if absent
+        except (ValueError, RecursionError):  # UnicodeDecodeError, JSONDecodeError
+            continue  # a foreign line: as if absent
         if isinstance(rec, dict) and "id" in rec:
             ids.add(_key(rec["id"]))
-    return ids, bool(data) and not data.endswith(b"\n")
+    return ids, (whole if whole < len(data) else None)
 
 
 def record(rid, res, has_tokenizer: bool) -> dict:
@@ -174,6 +184,9 @@ def parse_args(argv):
     p.add_argument("--max-model-len", type=int,
                    help="default: min(2048, the model's max_position_embeddings)")
     p.add_argument("--resume", action="store_true", help="skip ids already in --output")
+    p.add_argument("--mesh", metavar="tp=N,dp=M",
+                   help="shard over devices: tensor parallel N, data parallel M (default: "
+                        "one device)")
     args = p.parse_args(argv)
     if args.resume and args.output == "-":
         p.error("--resume needs an output file, not stdout")
@@ -183,11 +196,23 @@ def parse_args(argv):
             seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop))
     except ConfigError as e:
         p.error(str(e))
+    if args.top_k > INT32_MAX:
+        p.error(f"--top-k must be <= {INT32_MAX}")
     return args
 
 
 class Fatal(Exception):
     """Nothing can run (exit status 1)."""
+
+
+def load_model(model_dir: Path):
+    """The model in `model_dir`, or Fatal saying why not (raised before anything compiles)."""
+    try:
+        return load(str(model_dir))
+    except (CheckpointError, ConfigError, OSError) as e:
+        raise Fatal(f"cannot load model {model_dir}: {e}") from None
+    except Exception as e:  # a corrupt file can surface as any type; never a traceback
+        raise Fatal(f"cannot load model {model_dir}: {type(e).__name__}: {e}") from None
 
 
 def make_engine(args):
@@ -200,10 +225,7 @@ def make_engine(args):
             raise Fatal(f"no --model given and no shipped model in {searched} (it needs a "
                         "config.json, or a single subfolder with one). Pass --model PATH: "
                         "an HF-layout folder or an orbax folder written by mtp_jax.")
-    try:
-        model = load(str(model_dir))
-    except (CheckpointError, ConfigError, OSError) as e:
-        raise Fatal(f"cannot load model {model_dir}: {e}") from None
+    model = load_model(model_dir)
     cfg = model.config
     if args.stop and model.tokenizer is None:
         raise Fatal("--stop needs a tokenizer and the model has no tokenizer.json")
@@ -219,12 +241,37 @@ def make_engine(args):
     # Prefill chunks longer than max_model_len would only add compiled programs.
     chunk = min(256, max(16, 1 << (max_len - 1).bit_length()))
     try:
+        mesh = make_mesh(args.mesh)
         return model_dir, model, Engine(model, SpecConfig(method, num_speculative_tokens=k),
                                         EngineConfig(max_batch=args.max_batch,
                                                      max_model_len=max_len,
-                                                     prefill_chunk=chunk))
-    except ConfigError as e:
+                                                     prefill_chunk=chunk), mesh=mesh)
+    except (ConfigError, ValueError) as e:
         raise Fatal(str(e)) from None
+
+
+def read_requests(data: bytes, skip: set, engine: Engine, defaults, emit):
+    """(requests, their ids, lines in error, lines skipped): an error record is emitted for
+    every line that cannot run; lines whose id is in `skip` are left out."""
+    requests, ids, bad, skipped = [], [], 0, 0
+    for obj, rid in read_lines(data):
+        if _key(rid) in skip:
+            skipped += 1
+            continue
+        try:
+            if isinstance(obj, LineError):
+                raise obj
+            req = Request(len(ids), *build_request(obj, engine.model.tokenizer, defaults))
+            msg = engine.check(req)
+            if msg:
+                raise LineError(msg)
+        except LineError as e:
+            emit({"id": rid, "error": str(e)})
+            bad += 1
+            continue
+        requests.append(req)
+        ids.append(rid)
+    return requests, ids, bad, skipped
 
 
 def run(engine: Engine, requests: list, ids: list, emit, has_tokenizer: bool) -> str:
@@ -265,8 +312,10 @@ def main(argv=None) -> int:
         except OSError as e:
             raise Fatal(f"cannot read input {args.input}: {e.strerror or e}") from None
         model_dir, model, engine = make_engine(args)
-        skip, torn = done_ids(args.output) if args.resume else (set(), False)
+        skip, cut = done_ids(args.output) if args.resume else (set(), None)
         try:
+            if cut is not None:  # drop the torn record: its id runs again
+                os.truncate(args.output, cut)
             out = sys.stdout.buffer if args.output == "-" else open(
                 args.output, "ab" if args.resume else "wb")
         except OSError as e:
@@ -274,35 +323,16 @@ def main(argv=None) -> int:
     except Fatal as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    if torn:
-        out.write(b"\n")  # end the torn record so the next one starts whole
 
     def emit(rec: dict) -> None:
         out.write(json.dumps(rec).encode() + b"\n")
         out.flush()
 
-    requests, ids, bad, skipped = [], [], 0, 0
-    for obj, rid in read_lines(data):
-        if _key(rid) in skip:
-            skipped += 1
-            continue
-        try:
-            if isinstance(obj, LineError):
-                raise obj
-            req = Request(len(ids), *build_request(obj, model.tokenizer, args.defaults))
-            msg = engine.check(req)
-            if msg:
-                raise LineError(msg)
-        except LineError as e:
-            emit({"id": rid, "error": str(e)})
-            bad += 1
-            continue
-        requests.append(req)
-        ids.append(rid)
-    print(f"{engine.spec.method} K={engine.spec.k} on {model_dir}: {len(requests)} "
-          f"requests, {bad} lines in error, {skipped} skipped (already in the output)",
-          file=sys.stderr)
     try:
+        requests, ids, bad, skipped = read_requests(data, skip, engine, args.defaults, emit)
+        print(f"{engine.spec.method} K={engine.spec.k} on {model_dir}: {len(requests)} "
+              f"requests, {bad} lines in error, {skipped} skipped (already in the output)",
+              file=sys.stderr)
         summary = run(engine, requests, ids, emit, model.tokenizer is not None)
     except KeyboardInterrupt:
         print("interrupted: every record written so far is whole; rerun with --resume",

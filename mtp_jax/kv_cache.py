@@ -11,7 +11,7 @@ the attention kernel (masking is by position, so older positions aliased onto th
 page are never seen: they are outside every window that could read them).
 
 Page 0 of every pool is a null page that is never allocated: unused table entries point
-there. Writes go through slot mappings (`page * page_size + offset`); positions outside
+there. Non-finite K/V are written as zeros (the engine reports the request that made them). Writes go through slot mappings (`page * page_size + offset`); positions outside
 [0, limit) get DROP_SLOT and are dropped, never wrapped (a -1 index wraps in jnp).
 
 Caches per layer: k, v [kv_heads, num_pages_of_its_group, page_size, head_dim].
@@ -183,6 +183,10 @@ class PagedKV:
         page = P(tp, None, None, None)
         rows = P(dp, None, tp, None)
         fn = shard_kernel(write, self.mesh, (page, page, rows, rows, P(dp, None)), (page, page))
+        # Non-finite K/V never enter the cache: a page outlives its request, and a stale
+        # NaN seen by a padding row would reach real rows as 0 * NaN. The request that
+        # produced it is stopped by the NaN checks on its own hiddens / logits.
+        k, v = (jnp.where(jnp.isfinite(x), x, jnp.zeros_like(x)) for x in (k, v))
         return fn(*pages, k, v, slots)
 
     def _attend(self, q, kp, vp, table, kv_lens, window):

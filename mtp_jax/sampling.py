@@ -83,7 +83,7 @@ def _filter_sorted(logits, top_k, top_p):
     srt = jnp.where(jnp.arange(v)[None] < kk[:, None], srt, -jnp.inf)
     ps = jax.nn.softmax(srt, axis=-1)
     before = jnp.cumsum(ps, axis=-1) - ps  # mass strictly before each sorted token
-    keep = before < top_p[:, None]
+    keep = (before < top_p[:, None]) | (jnp.arange(v)[None] == 0)  # the top token always
     pth = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)
     thr = jnp.maximum(kth, pth)
     return jnp.where(logits >= thr, logits, -jnp.inf)

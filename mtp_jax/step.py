@@ -286,7 +286,12 @@ def prefill_target(model, s: Static, st: DecodeState, slot, start, valid, chunk:
     logits = model.target.head(jax.lax.dynamic_index_in_dim(normed[0], valid - 1, 0, False))
     hid = model.target.mtp_hidden(normed, pre)[0].astype(st.prefill_hidden.dtype)
     scratch = jax.lax.dynamic_update_slice_in_dim(st.prefill_hidden, hid, o + start, 0)
-    return st.replace(caches=tuple(kv.caches), prefill_hidden=scratch), logits
+    # A non-finite hidden anywhere in the prompt ends the request (its K/V are written
+    # as zeros, so the last row's logits alone would not show it).
+    real = (jnp.arange(chunk) < valid)[:, None]
+    bad = jnp.any(real & ~jnp.isfinite(pre[0].astype(jnp.float32)))
+    finish = st.finish.at[slot].set(jnp.where(bad, FINISH_ERROR, st.finish[slot]))
+    return st.replace(caches=tuple(kv.caches), prefill_hidden=scratch, finish=finish), logits
 
 
 def prefill_mtp(model, s: Static, st: DecodeState, slot, start, history_end, chunk: int):
@@ -310,7 +315,7 @@ def prefill_finish(model, s: Static, st: DecodeState, slot, logits, prompt_len):
     keys = row_keys(sp.seed, prompt_len[None, None], SALT_TARGET)[:, 0]
     first, _ = sample(logits[None], sp.temperature, sp.top_k, sp.top_p, keys)
     first = first[0]
-    bad = ~jnp.all(jnp.isfinite(logits))
+    bad = ~jnp.all(jnp.isfinite(logits)) | (st.finish[slot] == FINISH_ERROR)
     length = prompt_len + 1
     stop = jnp.any(st.stop_ids[slot] == first)
     at_len = (st.max_tokens[slot] <= 1) | (length >= s.eng.max_model_len)

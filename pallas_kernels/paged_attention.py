@@ -208,7 +208,10 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, *,
   p = jnp.where(mask, jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
   l = p.sum(axis=-1)                                              # [B, H, G, Q]
   o = jnp.einsum("bhgqk,hbkd->bhgqd", p, v.astype(jnp.float32), precision=precision)
-  o = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+  # l == 0 exactly when the row sees nothing (else the max term contributes 1); a NaN
+  # key or value in a visible position must come out as NaN, not be swallowed as 0.
+  seen = l != 0.0
+  o = jnp.where(seen[..., None], o / jnp.where(seen, l, 1.0)[..., None], 0.0)
   return o.transpose(0, 3, 1, 2, 4).reshape(q.shape).astype(q.dtype)
 
 

@@ -93,7 +93,7 @@ def _kernel(kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, *out_refs, sm_scale, soft_
   l = jnp.zeros((rows,), jnp.float32)
   acc, m, l = lax.fori_loop(begin, end, body, (acc, m, l))
 
-  seen = l > 0.0
+  seen = l != 0.0  # nothing visible; a NaN in a visible position stays NaN
   out = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0)
   if num_splits == 1:
     (o_ref,) = out_refs

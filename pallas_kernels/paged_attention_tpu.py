@@ -111,7 +111,7 @@ def _kernel(kv_lens_ref, bt_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sems,
   m = jnp.full((rows, 1), MASK_VALUE, jnp.float32)
   l = jnp.zeros((rows, 1), jnp.float32)
   acc, m, l = lax.fori_loop(0, num_blocks, body, (acc, m, l))
-  seen = l > 0.0
+  seen = l != 0.0  # nothing visible; a NaN in a visible position stays NaN
   o_ref[...] = jnp.where(seen, acc / jnp.where(seen, l, 1.0), 0.0).astype(o_ref.dtype)
 
 
