@@ -1,1 +1,19 @@
 """Pallas kernels for mtp_jax: one op per module, each with its pure-jnp reference."""
+
+from __future__ import annotations
+
+import os
+
+BACKENDS = ("gpu", "tpu", "reference")
+
+
+def resolve_backend(backend, env_var: str, op: str) -> str:
+    """Explicit argument, else $env_var, else by `jax.default_backend()` (cpu: reference)."""
+    import jax
+
+    choice = backend or os.environ.get(env_var) or jax.default_backend()
+    choice = {"cuda": "gpu", "rocm": "gpu", "cpu": "reference"}.get(choice, choice)
+    if choice not in BACKENDS:
+        raise ValueError(f"unknown {op} backend {choice!r}; expected one of {BACKENDS} "
+                         "(or None for jax.default_backend())")
+    return choice

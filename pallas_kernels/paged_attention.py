@@ -28,14 +28,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import BACKENDS, resolve_backend
+
 BACKEND_ENV_VAR = "MTP_JAX_ATTENTION_BACKEND"
-BACKENDS = ("gpu", "tpu", "reference")
 
 # Finite stand-in for -inf in the kernels' running max: (-inf) - (-inf) would be NaN.
 MASK_VALUE = -1e30
@@ -130,12 +130,7 @@ def tile_kv_range(tile, *, kv_len, rows_per_block, q_len, group, window, kv_capa
 
 
 def _resolve_backend(backend):
-  backend = backend or os.environ.get(BACKEND_ENV_VAR) or jax.default_backend()
-  backend = {"cuda": "gpu", "rocm": "gpu", "cpu": "reference"}.get(backend, backend)
-  if backend not in BACKENDS:
-    raise ValueError(f"Unknown paged-attention backend {backend!r}; expected one of "
-                     f"{BACKENDS} (or None for jax.default_backend()).")
-  return backend
+  return resolve_backend(backend, BACKEND_ENV_VAR, "paged-attention")
 
 
 def _check_inputs(q, k_pages, v_pages, block_tables, kv_lens, sliding_window, soft_cap):

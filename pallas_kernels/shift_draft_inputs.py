@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -80,13 +79,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import BACKENDS
+from pallas_kernels import resolve_backend as _resolve
 from pallas_kernels.kv_write import DROP_SLOT, slot_mapping
 
 __all__ = ["BACKEND_ENV_VAR", "BACKENDS", "DROP_SLOT", "BlockSizes", "resolve_backend",
            "shift_draft_inputs", "shift_draft_inputs_reference"]
 
 BACKEND_ENV_VAR = "MTP_JAX_SHIFT_BACKEND"
-BACKENDS = ("gpu", "tpu", "reference")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,12 +291,7 @@ def _shift_draft_inputs(hist_tokens, hist_hidden, new_tokens, new_hidden, num_ac
 
 def resolve_backend(backend: str | None = None) -> str:
     """Explicit argument, else $MTP_JAX_SHIFT_BACKEND, else by jax.default_backend()."""
-    choice = backend or os.environ.get(BACKEND_ENV_VAR) or jax.default_backend()
-    choice = {"cuda": "gpu", "rocm": "gpu", "cpu": "reference"}.get(choice, choice)
-    if choice not in BACKENDS:
-        raise ValueError(f"unknown shift_draft_inputs backend {choice!r}; "
-                         f"expected one of {BACKENDS}")
-    return choice
+    return _resolve(backend, BACKEND_ENV_VAR, "shift_draft_inputs")
 
 
 def shift_draft_inputs(hist_tokens, hist_hidden, new_tokens, new_hidden, num_accepted, anchor,
