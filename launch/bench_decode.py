@@ -231,7 +231,6 @@ def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=
                     holder["c"] = jax.block_until_ready(fn(p, holder["c"], st, steps))[0]
                 best, _ = timed(run)
                 row[name] = best / steps * 1e3
-                del st, holder
         row["compile_and_time_s"] = time.perf_counter() - t0
         # idle: engine pattern (dispatches + host collect) vs the same steps in one dispatch
         one_s = row["chain_step_ms"] * steps / 1e3

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import time
 from typing import Any, Iterable, Iterator, Optional
 

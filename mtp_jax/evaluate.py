@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import jax
 import numpy as np
 
 from .checkpoint import CheckpointError, load

@@ -91,8 +91,8 @@ def make_layout(cfg: ModelConfig, eng: EngineConfig, k: int, dtype, *,
             per_req = ring
         if eng.num_pages is not None:
             n = eng.num_pages
-        elif eng.kv_memory_gb is not None and w is None:
-            n = int(eng.kv_memory_gb * 2**30 / max(1, page_bytes * len(windows)))
+        elif eng.kv_memory_gb is not None and w is None:  # the budget is for full attention
+            n = int(eng.kv_memory_gb * 2**30 / max(1, page_bytes * nlayers))
         else:
             n = per_req * eng.max_batch
         n = max(n, per_req) if w is not None else n

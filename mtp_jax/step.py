@@ -142,7 +142,7 @@ def _mtp_table(st: Static, block_tables):
 
 # ---------------------------------------------------------------------------- the step
 def decode_step(model, s: Static, st: DecodeState) -> DecodeState:
-    k, cfg, eng = s.k, s.cfg, s.eng
+    k, eng = s.k, s.eng
     b = st.length.shape[0]
     run = st.active & (st.finish == FINISH_NONE)
     length = st.length

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import BACKENDS, resolve_backend
+from pallas_kernels import BACKENDS, resolve_backend  # noqa: F401  (BACKENDS re-exported)
 
 BACKEND_ENV_VAR = "MTP_JAX_ATTENTION_BACKEND"
 
