@@ -99,4 +99,3 @@ def mtp_prefill(model, method: str, k: int, kv, tokens_ext, hidden_ext, pos, kv_
             hin = hout
         else:
             hin = hidden_ext[:, m + 1: m + 1 + c]
-    return kv

@@ -134,9 +134,11 @@ class Engine:
             if self.spec.k:
                 st = self.progs.prefill_mtp(c)(p, st, slot, zero, zero)
         st = self.progs.prefill_finish(p, st, slot, logits, jnp.int32(1))
-        st = self.progs.run_steps(p, st, jnp.int32(0))
-        st = self.progs.release(st, jnp.zeros((self.config.max_batch,), bool))
-        self.state = jax.block_until_ready(st)
+        self.state = self.progs.run_steps(p, st, jnp.int32(0))
+        # admit a dummy request onto null pages (no prefill) and free the slot again, with
+        # the argument types the real calls use
+        self._admit_slot(0, Request(None, [0]), [[] for _ in self.layout.groups])
+        self.state = jax.block_until_ready(self.progs.release(self.state, self._mask([0])))
         self._warm = True
         self.compile_seconds += time.perf_counter() - t0
         return self.compile_seconds
@@ -189,12 +191,12 @@ class Engine:
                    self.config.max_model_len + self.spec.k)
 
     # --------------------------------------------------------------- admission
-    def _admit(self, slot: int, req: Request, pages: list) -> None:
-        s, eng, p = self.static, self.config, self.model.params
+    def _admit_slot(self, slot: int, req: Request, pages: list):
+        """The admit program for `req` in `slot` on its reserved pages; returns the state."""
+        s, eng = self.static, self.config
         prompt = np.asarray(req.prompt_ids, np.int32)
-        plen = len(prompt)
         buf = np.zeros((s.scratch_len,), np.int32)
-        buf[s.offset: s.offset + plen] = prompt
+        buf[s.offset: s.offset + len(prompt)] = prompt
         stops = np.full((eng.max_stop_ids,), -1, np.int32)
         ids = self._stop_ids(req)
         stops[: len(ids)] = ids
@@ -203,12 +205,19 @@ class Engine:
         full[: len(pages[0])] = pages[0]
         sp = req.sampling
         tokens = self._reserve_tokens(req)
-        st = self.progs.admit(
+        self.state = self.progs.admit(
             self.state, jnp.int32(slot), buf, jnp.int32(min(tokens, eng.max_model_len + s.k)),
             jnp.int32(self._budget(req)), stops, jnp.float32(sp.temperature),
             jnp.int32(sp.top_k), jnp.float32(sp.top_p),
             np.asarray(split_seed(sp.seed), np.uint32), jnp.bool_(sp.relaxed),
             jnp.bool_(self._thinking(prompt)), rows, full)
+        return self.state
+
+    def _admit(self, slot: int, req: Request, pages: list) -> None:
+        """Admit `req` into `slot` and run its prefill."""
+        s, eng, p = self.static, self.config, self.model.params
+        st = self._admit_slot(slot, req, pages)
+        plen = len(req.prompt_ids)
         sl = jnp.int32(slot)
         start, logits = 0, None
         while start < plen:
@@ -295,34 +304,24 @@ class Engine:
 
     def _collect(self) -> list:
         st = self.state
-        active, finish, ngen, steps, acc = self._fetch(
-            (st.active, st.finish, st.num_generated, st.steps, st.accepted))
-        live = [i for i, x in enumerate(self.slots) if x is not None]
-        stop_hit = {}
-        need_tokens = [i for i in live if finish[i] != FINISH_NONE or self.slots[i].stop_strings]
-        out_tokens = np.asarray(self._fetch(st.out_tokens)) if need_tokens else None
+        finish, ngen, steps, acc = self._fetch(
+            (st.finish, st.num_generated, st.steps, st.accepted))
+        # finished slots, and running ones whose stop strings the host must look for
+        look = [i for i, x in enumerate(self.slots)
+                if x is not None and (finish[i] != FINISH_NONE or x.stop_strings)]
+        out_tokens = np.asarray(self._fetch(st.out_tokens)) if look else None
         done = np.zeros((self.config.max_batch,), bool)
         results = []
-        for i in live:
+        for i in look:
             item = self.slots[i]
-            toks = None
-            if item.stop_strings and finish[i] == FINISH_NONE:
-                toks = out_tokens[i, : ngen[i]].tolist()
-                cut = self._match_stop_string(toks, item.stop_strings)
-                if cut is None:
-                    continue
-                stop_hit[i] = cut
-            elif finish[i] == FINISH_NONE:
-                continue
-            toks = out_tokens[i, : ngen[i]].tolist() if toks is None else toks
-            reason = _REASONS.get(int(finish[i]), "stop")
-            text, err = None, None
-            if i in stop_hit:
-                toks, text, reason = stop_hit[i][0], stop_hit[i][1], "stop"
-            elif item.stop_strings:
-                found = self._match_stop_string(toks, item.stop_strings)
-                if found is not None:
-                    toks, text, reason = found[0], found[1], "stop"
+            toks = out_tokens[i, : ngen[i]].tolist()
+            reason, text, err = _REASONS.get(int(finish[i])), None, None
+            found = self._match_stop_string(toks, item.stop_strings) if item.stop_strings \
+                else None
+            if found is not None:
+                toks, text, reason = found[0], found[1], "stop"
+            elif reason is None:
+                continue  # still running, no stop string yet
             if reason == "error":
                 err = "non-finite (NaN or Inf) logits: the request was stopped"
             res = Result(item.req.id, toks, reason, len(item.req.prompt_ids), text=text,
@@ -348,9 +347,9 @@ class Engine:
         if not hits:
             return None
         pos = min(hits)
-        for j in range(1, len(toks) + 1):  # shortest prefix whose text reaches the stop
-            if len(tok.decode(toks[:j])) >= pos + 1 and any(
-                    s in tok.decode(toks[:j]) for s in stops):
+        for j in range(1, len(toks) + 1):  # shortest prefix whose text holds a stop string
+            prefix = tok.decode(toks[:j])
+            if any(s in prefix for s in stops):
                 return toks[:j], text[:pos]
         return toks, text[:pos]
 
@@ -387,9 +386,10 @@ class Engine:
 
         A prompt that cannot run (wrong type, untokenizable text, out-of-vocabulary ids, too
         long) gets an error Result in its place; the rest of the batch runs."""
-        reqs, errors = [], {}
+        reqs, errors, ids_given = [], {}, []
         for i, p in enumerate(prompts):
             req = p if isinstance(p, Request) else Request(i, p, sampling or SamplingParams())
+            ids_given.append(req.id)
             ids = req.prompt_ids
             if isinstance(p, str):  # text prompts; a Request's prompt_ids must be ids
                 if self.model.tokenizer is None:
@@ -401,16 +401,11 @@ class Engine:
                         errors[i] = f"cannot tokenize the prompt: {e}"
             # run under the batch index, so equal ids never swap results
             reqs.append(Request(i, ids, req.sampling))
-        originals = [p if isinstance(p, Request) else Request(i, p) for i, p in
-                     enumerate(prompts)]
-        results = {i: self._error(Request(i, []), msg) for i, msg in errors.items()}
+        results = {i: self._error(reqs[i], msg) for i, msg in errors.items()}
         for res in self.stream([r for r in reqs if r.id not in errors]):
             results[res.id] = res
         for i, res in results.items():
-            res.id = originals[i].id
-            if i in errors or res.error and not res.token_ids:
-                res.num_prompt_tokens = len(reqs[i].prompt_ids) if isinstance(
-                    reqs[i].prompt_ids, (list, tuple, np.ndarray)) else 0
+            res.id = ids_given[i]
         return [results[i] for i in range(len(reqs))]
 
 
