@@ -7,13 +7,17 @@ import os
 BACKENDS = ("gpu", "tpu", "reference")
 
 
-def resolve_backend(backend, env_var: str, op: str) -> str:
-    """Explicit argument, else $env_var, else by `jax.default_backend()` (cpu: reference)."""
+def resolve_backend(backend, env_var: str, op: str, extra: tuple[str, ...] = ()) -> str:
+    """Explicit argument, else $env_var, else by `jax.default_backend()` (cpu: reference).
+
+    `extra` names further backends that this one op accepts on top of BACKENDS.
+    """
     import jax
 
     choice = backend or os.environ.get(env_var) or jax.default_backend()
     choice = {"cuda": "gpu", "rocm": "gpu", "cpu": "reference"}.get(choice, choice)
-    if choice not in BACKENDS:
-        raise ValueError(f"unknown {op} backend {choice!r}; expected one of {BACKENDS} "
+    allowed = BACKENDS + tuple(extra)
+    if choice not in allowed:
+        raise ValueError(f"unknown {op} backend {choice!r}; expected one of {allowed} "
                          "(or None for jax.default_backend())")
     return choice
