@@ -1,12 +1,18 @@
 """Checkpoints: strict HF safetensors import and export, orbax save / restore, `load`.
 
 The HF key map is derived from the config: every parameter of `MTPModel` lists the HF
-tensors it is built from (fused q/k/v and gate/up are joined on load, split on export).
-Import is strict: a missing, unexpected, duplicate (in two shards), mis-shaped or
-non-float tensor is an error naming every offending tensor, raised from the file headers
-before any data is read or anything is compiled. Float tensors are converted to the
-requested dtype. Safetensors files are read and written here directly (header + raw
-bytes, bf16 through ml_dtypes), so truncated files are caught with a clear message.
+tensors it is built from (fused q/k/v and gate/up are joined on load, split on export;
+the per-expert `mlp.experts.{e}.*_proj` tensors of an MoE layer are stacked into one
+[experts, ...] parameter). Import is strict: a missing, unexpected, duplicate (in two
+shards), mis-shaped or non-float tensor is an error naming every offending tensor, raised
+from the file headers before any data is read or anything is compiled.
+
+Import streams: tensors are memory-mapped, each parameter is built, converted to its
+dtype and placed on its devices before the next one is read, and with shardings each
+device's piece is cut from the files directly (an expert-sharded parameter reads only
+the experts of that device), so a model larger than host memory loads onto a mesh.
+Safetensors files are read and written here directly (header + raw bytes, bf16 through
+ml_dtypes), so truncated files are caught with a clear message.
 """
 
 from __future__ import annotations
@@ -137,6 +143,9 @@ class Entry:
     shapes: tuple  # their HF shapes
     join: Callable  # list of HF arrays -> parameter array
     split: Callable  # parameter array -> list of HF arrays
+    # (HF arrays, index tuple of slices) -> parameter[index], reading only what it needs;
+    # None: join the whole parameter, then slice.
+    slice_join: Optional[Callable] = None
 
 
 def _t(a):
@@ -151,9 +160,11 @@ def _vector(path, name, dim):
     return Entry(path, (name,), ((dim,),), lambda a: np.asarray(a[0]), lambda p: [np.asarray(p)])
 
 
-def _block_entries(cfg: ModelConfig, path: tuple, prefix: str) -> list[Entry]:
-    d, k, g, h, f = (cfg.hidden_size, cfg.num_kv_heads, cfg.group_size, cfg.head_dim,
-                     cfg.intermediate_size)
+def _block_entries(cfg: ModelConfig, layer: int, path: tuple, prefix: str) -> list[Entry]:
+    """Attention and FFN tensors of one decoder layer (target or MTP), from its spec."""
+    spec = cfg.layer_spec(layer)
+    att = spec.attention
+    d, k, g, h = cfg.hidden_size, att.num_kv_heads, att.group_size, att.head_dim
     n = k * g
     a = prefix + "self_attn."
 
@@ -176,13 +187,6 @@ def _block_entries(cfg: ModelConfig, path: tuple, prefix: str) -> list[Entry]:
         p = np.asarray(p)
         return [p[:, :g].reshape(n * h), p[:, g].reshape(k * h), p[:, g + 1].reshape(k * h)]
 
-    def join_gu(arrs):  # gate [f, d], up [f, d] -> [d, 2, f]
-        return np.ascontiguousarray(np.stack([np.asarray(arrs[0]).T, np.asarray(arrs[1]).T], 1))
-
-    def split_gu(p):
-        p = np.asarray(p)
-        return [_t(p[:, 0]), _t(p[:, 1])]
-
     es = [
         _vector(path + ("input_norm", "weight"), prefix + "input_layernorm.weight", d),
         Entry(path + ("attn", "qkv"), (a + "q_proj.weight", a + "k_proj.weight",
@@ -193,18 +197,87 @@ def _block_entries(cfg: ModelConfig, path: tuple, prefix: str) -> list[Entry]:
               lambda p: [_t(np.asarray(p).reshape(n * h, d))]),
         _vector(path + ("post_attn_norm", "weight"), prefix + "post_attention_layernorm.weight",
                 d),
-        Entry(path + ("mlp", "gate_up"), (prefix + "mlp.gate_proj.weight",
-                                          prefix + "mlp.up_proj.weight"),
-              ((f, d), (f, d)), join_gu, split_gu),
-        _linear(path + ("mlp", "down"), prefix + "mlp.down_proj.weight", d, f),
     ]
-    if cfg.attention_bias:
+    if att.qkv_bias:
         es.append(Entry(path + ("attn", "qkv_bias"),
                         (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"),
                         ((n * h,), (k * h,), (k * h,)), join_bias, split_bias))
-    if cfg.qk_norm:
+    if att.qk_norm:
         es.append(_vector(path + ("attn", "q_norm", "weight"), a + "q_norm.weight", h))
         es.append(_vector(path + ("attn", "k_norm", "weight"), a + "k_norm.weight", h))
+    if spec.is_moe:
+        es += _moe_entries(spec.ffn, d, path + ("mlp",), prefix + "mlp.")
+    else:
+        es += _swiglu_entries(d, spec.ffn.intermediate_size, path + ("mlp",), prefix + "mlp.")
+    return es
+
+
+def _swiglu_entries(d: int, f: int, path: tuple, prefix: str) -> list[Entry]:
+    """A SwiGLU MLP: gate_proj / up_proj [f, d] -> gate_up [d, 2, f]; down_proj [d, f]."""
+    def join_gu(arrs):
+        return np.ascontiguousarray(np.stack([np.asarray(arrs[0]).T, np.asarray(arrs[1]).T], 1))
+
+    def split_gu(p):
+        p = np.asarray(p)
+        return [_t(p[:, 0]), _t(p[:, 1])]
+
+    return [Entry(path + ("gate_up",), (prefix + "gate_proj.weight", prefix + "up_proj.weight"),
+                  ((f, d), (f, d)), join_gu, split_gu),
+            _linear(path + ("down",), prefix + "down_proj.weight", d, f)]
+
+
+def _moe_entries(moe, d: int, path: tuple, prefix: str) -> list[Entry]:
+    """Router, per-expert tensors stacked over experts, shared experts (DeepSeek / GLM)."""
+    e_n, f = moe.num_experts, moe.intermediate_size
+    ex = [f"{prefix}experts.{e}." for e in range(e_n)]
+
+    def experts_of(index):
+        return range(*index[0].indices(e_n))
+
+    # Each filled into one preallocated array, so building a parameter (or a device's
+    # piece of it) holds it once in host memory, converted as it is read.
+    def gate_up_slice(arrs, index, dtype=None):  # arrs: gate_e, then up_e, each [f, d]
+        _, dsl, csl, fsl = index
+        es = experts_of(index)
+        gate_up = (0, 1)[csl]
+        probe = arrs[0][fsl, dsl]
+        out = np.empty((len(es), probe.shape[1], len(gate_up), probe.shape[0]),
+                       dtype or probe.dtype)
+        for i, e in enumerate(es):
+            for j, c in enumerate(gate_up):
+                out[i, :, j] = np.asarray(arrs[c * e_n + e][fsl, dsl]).T
+        return out
+
+    def down_slice(arrs, index, dtype=None):  # arrs: down_e [d, f] -> parameter [e, f, d]
+        _, fsl, dsl = index
+        es = experts_of(index)
+        probe = arrs[0][dsl, fsl]
+        out = np.empty((len(es), probe.shape[1], probe.shape[0]), dtype or probe.dtype)
+        for i, e in enumerate(es):
+            out[i] = np.asarray(arrs[e][dsl, fsl]).T
+        return out
+
+    full4, full3 = (slice(None),) * 4, (slice(None),) * 3
+
+    def split_gate_up(p):
+        p = np.asarray(p)
+        return [_t(p[e, :, 0]) for e in range(e_n)] + [_t(p[e, :, 1]) for e in range(e_n)]
+
+    es = [
+        _linear(path + ("router",), prefix + "gate.weight", e_n, d),
+        Entry(path + ("experts_gate_up",),
+              tuple(x + "gate_proj.weight" for x in ex) + tuple(x + "up_proj.weight" for x in ex),
+              ((f, d),) * (2 * e_n), lambda arrs: gate_up_slice(arrs, full4), split_gate_up,
+              gate_up_slice),
+        Entry(path + ("experts_down",), tuple(x + "down_proj.weight" for x in ex),
+              ((d, f),) * e_n, lambda arrs: down_slice(arrs, full3),
+              lambda p: [_t(q) for q in np.asarray(p)], down_slice),
+    ]
+    if moe.score_bias:
+        es.append(_vector(path + ("router_bias",), prefix + "gate.e_score_correction_bias", e_n))
+    if moe.num_shared:
+        es += _swiglu_entries(d, f * moe.num_shared, path + ("shared",),
+                              prefix + "shared_experts.")
     return es
 
 
@@ -217,7 +290,7 @@ def hf_key_map(cfg: ModelConfig) -> list[Entry]:
     if not cfg.tie_word_embeddings:
         es.append(_linear(("target", "lm_head"), "lm_head.weight", v, d))
     for i in range(cfg.num_layers):
-        es += _block_entries(cfg, ("target", "layers", i), f"model.layers.{i}.")
+        es += _block_entries(cfg, i, ("target", "layers", i), f"model.layers.{i}.")
 
     def mtp_input(path, enorm, hnorm, proj, final):
         return [_vector(path + ("enorm", "weight"), enorm, d),
@@ -232,13 +305,13 @@ def hf_key_map(cfg: ModelConfig) -> list[Entry]:
             es += mtp_input(path + ("input",), p + "token_layernorm.weight",
                             p + "hidden_layernorm.weight", p + "input_proj.weight",
                             p + "final_layernorm.weight")
-        elif cfg.layout in ("deepseek_v3", "step3p5"):
+        elif cfg.layout in ("deepseek_v3", "glm4_moe", "step3p5"):
             p = f"model.layers.{cfg.num_layers + k}."
             es += mtp_input(path + ("input",), p + "enorm.weight", p + "hnorm.weight",
                             p + "eh_proj.weight", p + "shared_head.norm.weight")
         else:  # qwen3_next
             p = f"mtp.layers.{k}."
-        es += _block_entries(cfg, path + ("block",), p)
+        es += _block_entries(cfg, cfg.num_layers + k, path + ("block",), p)
         if cfg.mtp_own_head:
             es.append(_linear(path + ("head",), p + "shared_head.head.weight", v, d))
         if cfg.mtp_own_embed:
@@ -267,7 +340,8 @@ class Model:
 
     @property
     def dtype(self):
-        return jax.tree_util.tree_leaves(self.params)[0].dtype
+        """The model's parameter / compute dtype (that of its embedding)."""
+        return self.params["target"]["embed"][...].dtype
 
 
 def abstract_model(cfg: ModelConfig, dtype):
@@ -275,14 +349,17 @@ def abstract_model(cfg: ModelConfig, dtype):
 
 
 def from_params(cfg: ModelConfig, flat: dict, dtype, **extra) -> Model:
-    """Build a Model from {state path: array}; every parameter must be present."""
+    """Build a Model from {state path: array}; every parameter must be present.
+
+    Each parameter takes the dtype the module gives it: `dtype`, except the few kept in
+    float32 whatever the model dtype (the MoE router)."""
     graphdef, state = nnx.split(abstract_model(cfg, dtype))
     missing = []
     for path, var in state.flat_state():
         if tuple(path) not in flat:
             missing.append("/".join(map(str, path)))
             continue
-        var.set_value(jnp.asarray(flat[tuple(path)], dtype))
+        var.set_value(jnp.asarray(flat[tuple(path)], var.get_value().dtype))
     if missing:
         raise CheckpointError(f"parameters not provided: {missing}")
     return Model(cfg, graphdef, state, **extra)
@@ -318,8 +395,13 @@ def _hf_files(path: str) -> tuple[list[str], Optional[dict]]:
                           "say how they form one checkpoint")
 
 
-def load_hf(path: str, *, dtype=None, config: Optional[ModelConfig] = None) -> Model:
-    """Strict import of an HF-layout folder (config.json + safetensors, single or sharded)."""
+def load_hf(path: str, *, dtype=None, config: Optional[ModelConfig] = None,
+            shardings: Optional[Callable] = None) -> Model:
+    """Strict import of an HF-layout folder (config.json + safetensors, single or sharded).
+
+    shardings: `shardings(param path, shape) -> jax.sharding.Sharding`, or None for the
+    first device. Parameters are streamed onto their devices one at a time (module doc).
+    """
     cfg = config or ModelConfig.from_hf(path)
     dtype = jnp.dtype(dtype or cfg.dtype)
     files, weight_map = _hf_files(path)
@@ -332,6 +414,8 @@ def load_hf(path: str, *, dtype=None, config: Optional[ModelConfig] = None) -> M
             if name in found:
                 dup.setdefault(name, [found[name][0]]).append(fpath)
             found[name] = (fpath, 8 + n, entry)
+    if config is None:
+        cfg = _mtp_tensors_present(cfg, found)
     entries = hf_key_map(cfg)
     expected = {nm: shp for e in entries for nm, shp in zip(e.names, e.shapes)}
     problems = []
@@ -363,20 +447,56 @@ def load_hf(path: str, *, dtype=None, config: Optional[ModelConfig] = None) -> M
     if problems:
         raise CheckpointError(f"{path}: checkpoint does not match its config "
                               f"({cfg.layout}): " + " | ".join(problems))
+    _, state = nnx.split(abstract_model(cfg, dtype))
+    want = {tuple(p): v.get_value() for p, v in state.flat_state()}
     flat, nonfinite = {}, []
     for e in entries:
-        arrs = []
-        for name in e.names:
-            fpath, base, entry = found[name]
-            arr = read_tensor(fpath, (base, entry)).astype(np.float32)
-            if not np.all(np.isfinite(arr)):
-                nonfinite.append(name)
-            arrs.append(arr)
-        flat[e.path] = e.join(arrs)
+        arrs = [read_tensor(found[name][0], found[name][1:]) for name in e.names]
+        flat[e.path] = _place(e, arrs, want[e.path], shardings, nonfinite)
+        del arrs
     if nonfinite:
         raise CheckpointError(f"{path}: tensors holding NaN or Inf: {sorted(nonfinite)}")
     return from_params(cfg, flat, dtype, eos_token_ids=_eos_ids(path), path=path,
                        tokenizer=load_tokenizer(path))
+
+
+def _mtp_tensors_present(cfg: ModelConfig, found: dict) -> ModelConfig:
+    """GLM-4.5 publishes each MTP layer's own embed_tokens and shared_head.head; GLM-4.6
+    and later leave them out and share the target's. Which one this checkpoint is comes
+    from its tensor names (all MTP layers alike, else the strict check names the odd ones)."""
+    if cfg.layout != "glm4_moe" or not cfg.num_mtp_modules:
+        return cfg
+    layers = [f"model.layers.{cfg.num_layers + k}." for k in range(cfg.num_mtp_modules)]
+    return dataclasses.replace(
+        cfg, mtp_own_embed=all(p + "embed_tokens.weight" in found for p in layers),
+        mtp_own_head=all(p + "shared_head.head.weight" in found for p in layers))
+
+
+def _place(e: Entry, arrs, want, shardings, nonfinite: list):
+    """One parameter from its (memory-mapped) HF arrays, converted and on its devices."""
+    def finite(piece):
+        if not np.all(np.isfinite(piece)):  # name the tensors that hold them
+            nonfinite.extend(n for n, a in zip(e.names, arrs)
+                             if n not in nonfinite and not np.all(np.isfinite(np.asarray(a))))
+        return piece
+
+    sh = shardings(e.path, want.shape) if shardings else None
+    if e.slice_join is not None:  # each device reads only its own piece from the files
+        def piece(idx):
+            return finite(e.slice_join(arrs, _full_index(idx, want.shape), want.dtype))
+        if sh is None:  # uncommitted, on the default device, like every jnp array
+            return jnp.asarray(piece(()))
+        return jax.make_array_from_callback(want.shape, sh, piece)
+    full = finite(e.join(arrs).astype(want.dtype, copy=False))
+    if sh is None:
+        return jnp.asarray(full)
+    return jax.make_array_from_callback(want.shape, sh, lambda idx: full[idx])
+
+
+def _full_index(index, shape) -> tuple:
+    """A device's index as one slice per dimension."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(tuple(index)))
+    return tuple(x if isinstance(x, slice) else slice(x, x + 1) for x in index)
 
 
 def save_hf(model: Model, path: str, *, dtype=None, max_shard_bytes: Optional[int] = None,
@@ -389,8 +509,10 @@ def save_hf(model: Model, path: str, *, dtype=None, max_shard_bytes: Optional[in
     flat = to_flat(model.params)
     tensors = {}
     for e in hf_key_map(cfg):
+        # The router bias is published in float32 whatever the weights' dtype.
+        to = np.float32 if e.path[-1] == "router_bias" else dt
         for name, arr in zip(e.names, e.split(np.asarray(flat[e.path], np.float32))):
-            tensors[name] = np.asarray(arr).astype(dt)
+            tensors[name] = np.asarray(arr).astype(to)
     hf = cfg.to_hf()
     hf["torch_dtype"] = str(dt) if dt != np.dtype(ml_dtypes.bfloat16) else "bfloat16"
     if model.eos_token_ids:
@@ -493,10 +615,10 @@ def load_orbax(path: str, *, dtype=None, shardings: Optional[Callable] = None) -
     graphdef, state = nnx.split(abstract_model(cfg, dtype))
     target = {}
     for p, var in state.flat_state():
-        shape = var.get_value().shape
+        shape, pdt = var.get_value().shape, var.get_value().dtype
         sh = shardings(tuple(p), shape) if shardings else jax.sharding.SingleDeviceSharding(
             jax.devices()[0])
-        target["/".join(map(str, p))] = jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+        target["/".join(map(str, p))] = jax.ShapeDtypeStruct(shape, pdt, sharding=sh)
     params_dir = os.path.join(path, "params")
     if not os.path.isdir(params_dir):
         raise CheckpointError(f"{path}: no orbax params folder")
@@ -506,9 +628,9 @@ def load_orbax(path: str, *, dtype=None, shardings: Optional[Callable] = None) -
         raise CheckpointError(f"{path}: orbax restore failed: {type(e).__name__}: "
                               f"{str(e)[:500]}") from None
     flat = {}
-    for p, _ in state.flat_state():
-        arr = restored["/".join(map(str, p))]
-        flat[tuple(p)] = arr if arr.dtype == dtype else arr.astype(dtype)
+    for p, var in state.flat_state():
+        arr, pdt = restored["/".join(map(str, p))], var.get_value().dtype
+        flat[tuple(p)] = arr if arr.dtype == pdt else arr.astype(pdt)
     return from_params(cfg, flat, dtype, eos_token_ids=_eos_ids(path), path=path,
                        tokenizer=load_tokenizer(path))
 
@@ -534,12 +656,7 @@ def load(path: str, *, dtype=None, shardings=None) -> Model:
         raise CheckpointError(f"{path}: no config.json (not an HF or mtp_jax orbax folder)")
     if dtype is None:
         dtype = default_dtype(ModelConfig.from_hf(path).dtype)
-    model = load_hf(path, dtype=dtype)
-    if shardings is not None:
-        flat = {p: jax.device_put(v, shardings(p, v.shape)) for p, v in to_flat(model.params).items()}
-        model = from_params(model.config, flat, model.dtype, tokenizer=model.tokenizer,
-                            eos_token_ids=model.eos_token_ids, path=path)
-    return model
+    return load_hf(path, dtype=dtype, shardings=shardings)
 
 
 __all__ = ["CheckpointError", "ConfigError", "Model", "load", "load_hf", "save_hf",

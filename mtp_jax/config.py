@@ -4,17 +4,23 @@
 architecture fact the target and the MTP drafting need: the MTP concat order, position-0
 embedding zeroing, which hidden the target hands to MTP (before or after its final norm),
 which hidden a module hands on, per-module or shared heads and embeddings, the hidden
-source (`previous` / `target`), per-layer sliding windows and RoPE scaling. Four weight
-layouts are understood, all on a dense GQA block for now:
+source (`previous` / `target`), per-layer sliding windows, RoPE scaling and, for MoE
+models, the router and experts (`MoEConfig`). Five weight layouts are understood:
 
 - ``mimo``        MiMo (Qwen2 target, QKV bias, ``model.mtp_layers.{i}.*``), hidden first.
-- ``deepseek_v3`` DeepSeek-V3 naming on a dense block (``model.layers.{N + k}.*``).
+- ``deepseek_v3`` DeepSeek-V3 naming (``model.layers.{N + k}.*``) on GQA blocks, dense or
+                  MoE (MLA is not implemented yet).
+- ``glm4_moe``    GLM-4.5 / 4.6 / 4.7 (``Glm4MoeForCausalLM``): DeepSeek naming, GQA with
+                  QKV bias, optional q/k norm, partial RoPE, sigmoid-routed MoE after
+                  `first_k_dense_replace` dense layers.
 - ``qwen3_next``  Qwen3-Next naming (``mtp.{fc, pre_fc_norm_*, layers.N, norm}``), q/k norm.
 - ``step3p5``     Step-3.5 naming (``shared_head`` per MTP layer, sliding-window MTP layers).
 
-Anything in a config that would change the math and that we do not implement (MoE, MLA,
-gated attention, linear attention, an unknown key) raises `ConfigError` naming the field.
-Variants are made with `dataclasses.replace`, never by assignment.
+`ModelConfig.layer_spec(i)` turns the flat fields into the per-layer spec a block is
+assembled from (specs.py). Anything in a config that would change the math and that we do
+not implement (MLA, gated attention, linear attention, an unknown key) raises
+`ConfigError` naming the field. Variants are made with `dataclasses.replace`, never by
+assignment.
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ import json
 import os
 from typing import Any, Optional
 
-LAYOUTS = ("mimo", "deepseek_v3", "qwen3_next", "step3p5")
+LAYOUTS = ("mimo", "deepseek_v3", "glm4_moe", "qwen3_next", "step3p5")
+MOE_LAYOUTS = ("deepseek_v3", "glm4_moe")  # layouts whose loaders know expert tensors
+ROUTERS = ("sigmoid", "softmax")
 METHODS = ("none", "eagle", "per_step", "window", "chain")
 
 
@@ -58,6 +66,60 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Routed experts of an MoE FFN (DeepSeek-V3 / GLM-4.5 / Qwen3-MoE routers).
+
+    router `sigmoid` (DeepSeek-V3, GLM): scores = sigmoid(x W); with `score_bias` the
+    per-expert `e_score_correction_bias` is added for the choice only; experts are chosen
+    within the `topk_group` best of `n_group` groups (a group scores the sum of its two
+    best biased scores); the weights are the unbiased scores of the chosen experts.
+    router `softmax` (Qwen3-MoE, Mixtral): scores = softmax(x W), top-k of them.
+    Then weights /= their sum if `norm_topk_prob`, and *= `routed_scaling_factor`.
+    `num_shared` shared experts (one SwiGLU of `num_shared * intermediate_size`) see every
+    token. Layers below `first_dense` (and layers off the `layer_freq` pattern) are dense.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    router: str = "sigmoid"
+    score_bias: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    num_shared: int = 0
+    first_dense: int = 0
+    layer_freq: int = 1
+
+    def __post_init__(self):
+        if self.router not in ROUTERS:
+            raise ConfigError(f"MoE router {self.router!r} is not supported (scoring_func "
+                              f"must be one of {ROUTERS})")
+        for name in ("num_experts", "top_k", "intermediate_size", "n_group", "topk_group",
+                     "layer_freq"):
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"MoE {name} must be >= 1, got {getattr(self, name)}")
+        if self.num_experts % self.n_group:
+            raise ConfigError(f"n_routed_experts={self.num_experts} is not a multiple of "
+                              f"n_group={self.n_group}")
+        if self.topk_group > self.n_group:
+            raise ConfigError(f"topk_group={self.topk_group} > n_group={self.n_group}")
+        if self.top_k > self.topk_group * (self.num_experts // self.n_group):
+            raise ConfigError(f"num_experts_per_tok={self.top_k} is more than the "
+                              f"{self.topk_group} selected groups hold")
+        if self.router == "softmax" and (self.n_group > 1 or self.score_bias):
+            raise ConfigError("the softmax router is implemented without groups and without "
+                              "e_score_correction_bias")
+        if not self.routed_scaling_factor > 0 or self.num_shared < 0 or self.first_dense < 0:
+            raise ConfigError("routed_scaling_factor must be > 0, n_shared_experts and "
+                              "first_k_dense_replace >= 0")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_dense and layer % self.layer_freq == 0
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     layout: str
     vocab_size: int
@@ -88,6 +150,7 @@ class ModelConfig:
     mtp_own_embed: bool = False  # per-module `embed_tokens` instead of the target embedding
     mtp_shared_input: bool = False  # one fc / pre-norms / final norm for all modules (Qwen3-Next)
     mtp_sliding_windows: tuple = ()  # per MTP module: None or window size
+    moe: Optional[MoEConfig] = None  # routed experts (None: every FFN dense)
     dtype: str = "bfloat16"  # checkpoint dtype (HF torch_dtype)
 
     def __post_init__(self):
@@ -114,6 +177,9 @@ class ModelConfig:
         for name, allowed in checks.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r} not in {allowed}")
+        if self.moe is not None and self.layout not in MOE_LAYOUTS:
+            raise ConfigError(f"MoE FFNs are implemented for the {MOE_LAYOUTS} layouts, "
+                              f"not {self.layout}")
         rot = self.rotary_dim
         if rot % 2 or rot <= 0 or rot > self.head_dim:
             raise ConfigError(f"partial_rotary_factor={self.partial_rotary_factor} gives an "
@@ -128,21 +194,45 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
-    def num_params(self) -> int:
-        """Parameter count of target + MTP modules (embeddings counted once per table)."""
-        d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
+    def num_layers_total(self) -> int:
+        """Target layers plus MTP layers (the index space of `layer_spec`)."""
+        return self.num_layers + self.num_mtp_modules
+
+    def layer_spec(self, layer: int):
+        """The per-layer spec (attention, FFN) of target layer `layer`, or of MTP module
+        `layer - num_layers` (MTP layers follow the target's layer numbering, as in the
+        DeepSeek / GLM checkpoints)."""
+        from .specs import layer_spec  # specs imports this module
+        return layer_spec(self, layer)
+
+    def block_params(self, layer: int) -> int:
+        d, hd = self.hidden_size, self.head_dim
         attn = d * (self.num_heads + 2 * self.num_kv_heads) * hd + self.num_heads * hd * d
         attn += (self.num_heads + 2 * self.num_kv_heads) * hd if self.attention_bias else 0
         attn += 2 * hd if self.qk_norm else 0
-        block = attn + 3 * d * f + 2 * d
+        moe = self.moe
+        if moe is not None and moe.is_moe_layer(layer):
+            ffn = moe.num_experts * (3 * d * moe.intermediate_size + 1) + d * moe.num_experts
+            ffn += 3 * d * moe.intermediate_size * moe.num_shared
+        else:
+            ffn = 3 * d * self.intermediate_size
+        return attn + ffn + 2 * d
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count of target + MTP modules (embeddings counted once per table)."""
+        d = self.hidden_size
         emb = self.vocab_size * d
-        target = emb + self.num_layers * block + d + (0 if self.tie_word_embeddings else emb)
+        target = emb + sum(self.block_params(i) for i in range(self.num_layers)) + d
+        target += 0 if self.tie_word_embeddings else emb
         mtp_in = 2 * d * d + 3 * d
-        per = block + (0 if self.mtp_shared_input else mtp_in)
-        per += emb if self.mtp_own_head else 0
-        per += emb if self.mtp_own_embed else 0
-        mtp = self.num_mtp_modules * per + (mtp_in if self.mtp_shared_input else 0)
-        return target + mtp
+        mtp = 0
+        for k in range(self.num_mtp_modules):
+            mtp += self.block_params(self.num_layers + k)
+            mtp += 0 if self.mtp_shared_input else mtp_in
+            mtp += emb if self.mtp_own_head else 0
+            mtp += emb if self.mtp_own_embed else 0
+        return target + mtp + (mtp_in if self.mtp_shared_input and self.num_mtp_modules else 0)
 
     # ------------------------------------------------------------------ HF import
     @classmethod
@@ -315,6 +405,7 @@ _IGNORED = {
     "decoder_start_token_id", "sep_token_id", "prefix", "torchscript", "emb_dropout",
     "mlp_bias_ignored", "mtp_loss_weight", "mtp_training_note", "router_aux_loss_coef",
     "output_router_logits", "use_mtp", "num_hidden_layers_ignored", "hidden_dropout_prob",
+    "aux_loss_alpha", "seq_aux", "ep_size",  # MoE training knobs (DeepSeek-V3 configs)
 }
 # Keys whose non-trivial values mean math we do not implement.
 _UNSUPPORTED = {
@@ -341,12 +432,67 @@ _TRIVIAL = (None, False, 0, 0.0, [], {}, "")
 
 def _layout_of(raw: dict) -> str:
     mt = raw.get("model_type")
-    layout = {"mimo": "mimo", "deepseek_v3": "deepseek_v3", "glm4_moe": "deepseek_v3",
-              "qwen3_next": "qwen3_next", "step3p5": "step3p5"}.get(mt)
-    if layout is None:
-        raise ConfigError(f"model_type={mt!r} is not supported (supported: mimo, deepseek_v3, "
-                          "qwen3_next, step3p5)")
-    return layout
+    if mt not in LAYOUTS:
+        raise ConfigError(f"model_type={mt!r} is not supported (supported: "
+                          f"{', '.join(LAYOUTS)})")
+    return mt
+
+
+# MoE keys of the DeepSeek-V3 / GLM-4.5 configs, read by `_parse_moe`.
+_MOE_KEYS = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+             "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor",
+             "norm_topk_prob", "first_k_dense_replace", "moe_layer_freq", "scoring_func",
+             "topk_method")
+
+
+def _parse_moe(raw: dict, layout: str, get) -> Optional[MoEConfig]:
+    """The MoEConfig of a DeepSeek-V3 / GLM-4.5 config, or None for a dense model.
+
+    `topk_method` (DeepSeek): `noaux_tc` routes with e_score_correction_bias (GLM always
+    does); `greedy` without it; `group_limited_greedy` (DeepSeek-V2) is not implemented.
+    """
+    experts = raw.get("n_routed_experts")
+    if experts in _TRIVIAL:
+        for key in _MOE_KEYS[1:4]:
+            if raw.get(key) not in _TRIVIAL:
+                raise ConfigError(f"config field {key}={raw[key]!r} (MoE) is given but "
+                                  "n_routed_experts is not")
+        return None
+
+    def num(key, default, kind=int):
+        val = get(key, default)
+        if val is None:
+            val = default
+        if isinstance(val, bool) or not isinstance(val, (int, float)) or \
+                (kind is int and not isinstance(val, int)):
+            raise ConfigError(f"config field {key}={val!r} must be a number")
+        return kind(val)
+
+    for key in ("num_experts_per_tok", "moe_intermediate_size"):
+        if raw.get(key) in _TRIVIAL:
+            raise ConfigError(f"config field n_routed_experts={experts!r} needs {key}")
+    scoring = get("scoring_func", "sigmoid")
+    method = get("topk_method", "noaux_tc")
+    if layout == "glm4_moe" and method != "noaux_tc":
+        raise ConfigError(f"config field topk_method={method!r}: GLM-4.5 routes with "
+                          "noaux_tc only")
+    if method not in ("noaux_tc", "greedy"):
+        raise ConfigError(f"config field topk_method={method!r} is not supported "
+                          "(noaux_tc, greedy)")
+    norm = get("norm_topk_prob", True)
+    if not isinstance(norm, bool):
+        raise ConfigError(f"config field norm_topk_prob={norm!r} must be true or false")
+    try:
+        return MoEConfig(
+            num_experts=num("n_routed_experts", 0), top_k=num("num_experts_per_tok", 0),
+            intermediate_size=num("moe_intermediate_size", 0), router=scoring,
+            score_bias=method == "noaux_tc", n_group=num("n_group", 1),
+            topk_group=num("topk_group", 1), norm_topk_prob=norm,
+            routed_scaling_factor=num("routed_scaling_factor", 1.0, float),
+            num_shared=num("n_shared_experts", 0), first_dense=num("first_k_dense_replace", 0),
+            layer_freq=num("moe_layer_freq", 1))
+    except ConfigError as e:
+        raise ConfigError(f"config.json MoE fields: {e}") from None
 
 
 def _from_hf_dict(raw: dict) -> ModelConfig:
@@ -362,7 +508,10 @@ def _from_hf_dict(raw: dict) -> ModelConfig:
             raise ConfigError(f"config.json is missing required field {key!r}")
         return default
 
+    moe = _parse_moe(raw, layout, get) if layout in MOE_LAYOUTS else None
     for key, what in _UNSUPPORTED.items():
+        if key in used:  # read by the MoE parser
+            continue
         if key in raw:
             used.add(key)
             val = raw[key]
@@ -371,8 +520,10 @@ def _from_hf_dict(raw: dict) -> ModelConfig:
             if key == "attn_output_gate" and val is False:
                 continue
             if val not in _TRIVIAL:
-                raise ConfigError(f"config field {key}={val!r} ({what}) is not supported: "
-                                  "only dense GQA blocks are implemented")
+                where = ("" if what.startswith("MoE") and layout in MOE_LAYOUTS else
+                         f" for model_type {layout}")
+                raise ConfigError(f"config field {key}={val!r} ({what}) is not supported"
+                                  f"{where}")
 
     act = get("hidden_act", "silu")
     if act not in ("silu", "swish"):
@@ -413,8 +564,12 @@ def _from_hf_dict(raw: dict) -> ModelConfig:
     rs = get("rope_scaling", None)
     rope_params = get("rope_parameters", None)
     theta = as_float("rope_theta", 10000.0)
-    if rope_params:
+    partial = as_float("partial_rotary_factor", 0.5 if layout == "glm4_moe" else 1.0)
+    if rope_params:  # transformers >= 5 writes theta (and GLM's partial factor) in here
+        if not isinstance(rope_params, dict):
+            raise ConfigError(f"config field rope_parameters={rope_params!r} must be an object")
         theta = float(rope_params.get("rope_theta", theta))
+        partial = float(rope_params.get("partial_rotary_factor", partial))
         if rope_params.get("rope_type", rope_params.get("type", "default")) != "default":
             rs = rs or rope_params
     rope_scaling = _parse_rope_scaling(rs, max_pos)
@@ -463,12 +618,13 @@ def _from_hf_dict(raw: dict) -> ModelConfig:
         rms_norm_eps=as_float("rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=rope_scaling,
-        partial_rotary_factor=as_float("partial_rotary_factor", 1.0),
+        partial_rotary_factor=partial,
         max_position_embeddings=max_pos,
         tie_word_embeddings=as_bool("tie_word_embeddings", False),
         sliding_windows=target_windows,
         num_mtp_modules=num_mtp,
         mtp_sliding_windows=mtp_windows,
+        moe=moe,
         dtype=str(raw.get("torch_dtype", raw.get("dtype", "bfloat16")) or "bfloat16"),
     )
     per_layout = {
@@ -478,6 +634,11 @@ def _from_hf_dict(raw: dict) -> ModelConfig:
         "deepseek_v3": dict(mtp_concat_order="embed_first", mtp_zero_embed_at_pos0=True,
                             mtp_hidden_from="post_norm", mtp_output_hidden="pre_norm",
                             mtp_own_head=True, mtp_own_embed=True),
+        # GLM-4.5 publishes the MTP layer's own embed_tokens / shared_head.head; GLM-4.6
+        # and later leave them out (the loader reads which from the checkpoint).
+        "glm4_moe": dict(mtp_concat_order="embed_first", mtp_zero_embed_at_pos0=True,
+                         mtp_hidden_from="post_norm", mtp_output_hidden="pre_norm",
+                         mtp_own_head=True, mtp_own_embed=True),
         "qwen3_next": dict(qk_norm=True, norm_offset=1.0, mtp_concat_order="embed_first",
                            mtp_zero_embed_at_pos0=False, mtp_hidden_from="post_norm",
                            mtp_output_hidden="post_norm", mtp_shared_input=True),
@@ -489,7 +650,7 @@ def _from_hf_dict(raw: dict) -> ModelConfig:
         per_layout["attention_bias"] = as_bool("attention_bias", False)
     if "qk_norm" in raw:  # our own explicit switch, also written by the exporter
         per_layout["qk_norm"] = as_bool("qk_norm", False)
-    if layout == "step3p5" and "use_qk_norm" in raw:
+    if layout in ("step3p5", "glm4_moe") and "use_qk_norm" in raw:
         per_layout["qk_norm"] = as_bool("use_qk_norm", False)
     # Explicit MTP facts may be written in config.json (the exporter writes them all);
     # they override the per-layout defaults above.
@@ -499,6 +660,10 @@ def _from_hf_dict(raw: dict) -> ModelConfig:
             per_layout[key] = get(key)
     if "mtp_zero_embed_at_pos0" in raw:
         per_layout["mtp_zero_embed_at_pos0"] = as_bool("mtp_zero_embed_at_pos0", True)
+    if layout == "glm4_moe":  # written by our exporter; the HF loader reads the tensors
+        for key in ("mtp_own_head", "mtp_own_embed"):
+            if key in raw:
+                per_layout[key] = as_bool(key, True)
 
     unknown = sorted(set(raw) - used - _IGNORED)
     if unknown:
@@ -520,7 +685,7 @@ def _parse_rope_scaling(rs, max_pos) -> Optional[RopeScaling]:
         orig = max_pos
     known = {"rope_type", "type", "factor", "original_max_position_embeddings", "beta_fast",
              "beta_slow", "attention_factor", "low_freq_factor", "high_freq_factor",
-             "rope_theta", "mscale", "mscale_all_dim"}
+             "rope_theta", "mscale", "mscale_all_dim", "partial_rotary_factor"}
     unknown = sorted(set(rs) - known)
     if unknown:
         raise ConfigError(f"rope_scaling fields not understood: {unknown}")
@@ -539,12 +704,11 @@ def _parse_rope_scaling(rs, max_pos) -> Optional[RopeScaling]:
 
 
 def _to_hf_dict(cfg: ModelConfig) -> dict:
-    model_type = {"mimo": "mimo", "deepseek_v3": "deepseek_v3", "qwen3_next": "qwen3_next",
-                  "step3p5": "step3p5"}[cfg.layout]
     arch = {"mimo": "MiMoForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-            "qwen3_next": "Qwen3NextForCausalLM", "step3p5": "Step3p5ForCausalLM"}[cfg.layout]
+            "glm4_moe": "Glm4MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
+            "step3p5": "Step3p5ForCausalLM"}[cfg.layout]
     out = {
-        "architectures": [arch], "model_type": model_type,
+        "architectures": [arch], "model_type": cfg.layout,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
@@ -557,8 +721,22 @@ def _to_hf_dict(cfg: ModelConfig) -> dict:
         "mtp_hidden_from": cfg.mtp_hidden_from, "mtp_output_hidden": cfg.mtp_output_hidden,
         "mtp_zero_embed_at_pos0": cfg.mtp_zero_embed_at_pos0,
     }
-    if cfg.partial_rotary_factor != 1.0:
+    if cfg.layout == "glm4_moe":
+        out.update(mtp_own_head=cfg.mtp_own_head, mtp_own_embed=cfg.mtp_own_embed,
+                   use_qk_norm=cfg.qk_norm)
+        del out["qk_norm"]
+    if cfg.partial_rotary_factor != 1.0 or cfg.layout == "glm4_moe":
         out["partial_rotary_factor"] = cfg.partial_rotary_factor
+    if cfg.moe is not None:
+        m = cfg.moe
+        out.update(n_routed_experts=m.num_experts, num_experts_per_tok=m.top_k,
+                   moe_intermediate_size=m.intermediate_size, n_shared_experts=m.num_shared,
+                   n_group=m.n_group, topk_group=m.topk_group, norm_topk_prob=m.norm_topk_prob,
+                   routed_scaling_factor=m.routed_scaling_factor,
+                   first_k_dense_replace=m.first_dense)
+        if cfg.layout == "deepseek_v3":
+            out.update(scoring_func=m.router, moe_layer_freq=m.layer_freq,
+                       topk_method="noaux_tc" if m.score_bias else "greedy")
     if cfg.rope_scaling is not None:
         rs = cfg.rope_scaling
         d = {"rope_type": rs.kind, "factor": rs.factor}

@@ -25,7 +25,7 @@ import numpy as np
 from .config import ConfigError, EngineConfig, SamplingParams, SpecConfig
 from .kv_cache import PageAllocator, make_layout
 from .sampling import split_seed
-from .sharding import shard_params, state_shardings
+from .sharding import check_mesh, shard_params, state_shardings
 from .step import (FINISH_ERROR, FINISH_LENGTH, FINISH_NONE, FINISH_STOP, Static, init_state,
                    programs)
 
@@ -74,8 +74,9 @@ class _Live:
 class Engine:
     """Engine(model, spec=SpecConfig(...), max_batch=..., max_model_len=..., mesh=None, ...).
 
-    `mesh`: None (one device) or a `jax.sharding.Mesh` with axes ('dp', 'tp') (see
-    `mtp_jax.sharding.make_mesh`): params and KV sharded over tp, slots over dp.
+    `mesh`: None (one device) or a `jax.sharding.Mesh` with axes ('dp', 'tp') or
+    ('dp', 'ep', 'tp') (see `mtp_jax.sharding.make_mesh`): params and KV sharded over tp,
+    routed experts over ep, slots over dp.
     """
 
     def __init__(self, model, spec: SpecConfig = SpecConfig(), config: Optional[EngineConfig] = None,
@@ -83,6 +84,7 @@ class Engine:
         spec.validate_for(model.config)
         eng = dataclasses.replace(config or EngineConfig(), **overrides)
         if mesh is not None:
+            check_mesh(model.config, mesh)
             if eng.max_batch % mesh.shape["dp"]:
                 raise ConfigError(f"max_batch={eng.max_batch} must be a multiple of dp="
                                   f"{mesh.shape['dp']}")

@@ -30,7 +30,7 @@ from typing import Optional
 from .checkpoint import CheckpointError, load
 from .config import METHODS, ConfigError, EngineConfig, SamplingParams, SpecConfig
 from .engine import Engine, Request
-from .sharding import make_mesh
+from .sharding import make_mesh, param_sharding
 
 DEFAULT_MODEL_ENV = "MTP_JAX_DEFAULT_MODEL"  # overrides the shipped checkpoints/ folder
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
@@ -184,9 +184,9 @@ def parse_args(argv):
     p.add_argument("--max-model-len", type=int,
                    help="default: min(2048, the model's max_position_embeddings)")
     p.add_argument("--resume", action="store_true", help="skip ids already in --output")
-    p.add_argument("--mesh", metavar="tp=N,dp=M",
-                   help="shard over devices: tensor parallel N, data parallel M (default: "
-                        "one device)")
+    p.add_argument("--mesh", metavar="tp=N,dp=M,ep=E",
+                   help="shard over devices: tensor parallel N, data parallel M, experts "
+                        "over E (MoE models; default: one device)")
     args = p.parse_args(argv)
     if args.resume and args.output == "-":
         p.error("--resume needs an output file, not stdout")
@@ -205,10 +205,11 @@ class Fatal(Exception):
     """Nothing can run (exit status 1)."""
 
 
-def load_model(model_dir: Path):
-    """The model in `model_dir`, or Fatal saying why not (raised before anything compiles)."""
+def load_model(model_dir: Path, mesh=None):
+    """The model in `model_dir` (streamed onto `mesh` if given), or Fatal saying why not
+    (raised before anything compiles)."""
     try:
-        return load(str(model_dir))
+        return load(str(model_dir), shardings=param_sharding(mesh))
     except (CheckpointError, ConfigError, OSError) as e:
         raise Fatal(f"cannot load model {model_dir}: {e}") from None
     except Exception as e:  # a corrupt file can surface as any type; never a traceback
@@ -225,7 +226,11 @@ def make_engine(args):
             raise Fatal(f"no --model given and no shipped model in {searched} (it needs a "
                         "config.json, or a single subfolder with one). Pass --model PATH: "
                         "an HF-layout folder or an orbax folder written by mtp_jax.")
-    model = load_model(model_dir)
+    try:
+        mesh = make_mesh(args.mesh)
+    except ValueError as e:
+        raise Fatal(str(e)) from None
+    model = load_model(model_dir, mesh)
     cfg = model.config
     if args.stop and model.tokenizer is None:
         raise Fatal("--stop needs a tokenizer and the model has no tokenizer.json")
@@ -241,7 +246,6 @@ def make_engine(args):
     # Prefill chunks longer than max_model_len would only add compiled programs.
     chunk = min(256, max(16, 1 << (max_len - 1).bit_length()))
     try:
-        mesh = make_mesh(args.mesh)
         return model_dir, model, Engine(model, SpecConfig(method, num_speculative_tokens=k),
                                         EngineConfig(max_batch=args.max_batch,
                                                      max_model_len=max_len,

@@ -1,8 +1,10 @@
-"""The Flax (NNX) target decoder: embedding, dense GQA blocks, final norm, lm_head.
+"""The Flax (NNX) target decoder: embedding, blocks, final norm, lm_head.
 
-Blocks are Llama / Qwen2 / Qwen3 style: RMSNorm, GQA attention with RoPE (default, linear,
-dynamic, yarn, llama3 scaling; partial rotary), optional QKV bias, optional q/k norm,
-optional per-layer sliding window, SwiGLU MLP. The MTP modules (mtp.py) reuse `Block`.
+A block is assembled from its layer's spec (specs.py): an attention module (GQA with RoPE
+of default, linear, dynamic, yarn or llama3 scaling, partial rotary, optional QKV bias,
+q/k norm and sliding window) and an FFN module (SwiGLU `MLP`, or `moe.MoE` with its
+router, routed and shared experts), pre-norm residual around each. The MTP modules
+(mtp.py) build their blocks from the same specs.
 
 Modules hold parameters only, never caches. Attention goes through a backend callable
 `attend(layer, q, k, v, window) -> out` supplied by the caller, so one forward serves
@@ -16,7 +18,7 @@ its key and value head), `o` is [n, h, d], `gate_up` is [d, 2, f].
 
 Einsum letters, used in every module of the package:
   b batch, t tokens, s kv positions, d model dim, k kv heads, g query heads per kv head,
-  n query heads (= k * g), h head dim, f MLP dim, v vocabulary.
+  n query heads (= k * g), h head dim, f MLP dim, v vocabulary, e experts.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import numpy as np
 from flax import nnx
 
 from .config import ModelConfig
+from .specs import AttentionSpec, LayerSpec, RopeSpec, rope_spec
 
 Attend = Callable[..., jax.Array]  # attend(layer, q[b,t,n,h], k[b,t,k,h], v[b,t,k,h], window)
 
@@ -51,11 +54,16 @@ class RMSNorm(nnx.Module):
 
 
 # ----------------------------------------------------------------------------- RoPE
+def rope_inv_freq(rope) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [rotary_dim // 2] and the cos/sin scale (yarn attention factor)
+    of a RopeSpec (or of a ModelConfig's RoPE)."""
+    return _rope_inv_freq(rope_spec(rope) if isinstance(rope, ModelConfig) else rope)
+
+
 @functools.lru_cache(maxsize=64)
-def rope_inv_freq(cfg: ModelConfig) -> tuple[np.ndarray, float]:
-    """Inverse frequencies [rotary_dim // 2] and the cos/sin scale (yarn attention factor)."""
-    dim, base = cfg.rotary_dim, cfg.rope_theta
-    rs = cfg.rope_scaling
+def _rope_inv_freq(rope: RopeSpec) -> tuple[np.ndarray, float]:
+    dim, base = rope.rotary_dim, rope.theta
+    rs = rope.scaling
     if rs is not None and rs.kind == "dynamic":
         # Static NTK form (as vLLM): the base for the full scaled context, so cached keys
         # never change frequency mid-sequence.
@@ -107,20 +115,23 @@ def apply_rope(x, positions, inv_freq, scale):
 
 # ---------------------------------------------------------------------------- blocks
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
-        d, k, g, h = cfg.hidden_size, cfg.num_kv_heads, cfg.group_size, cfg.head_dim
+    """GQA attention of an `AttentionSpec`; the cache lives in the `attend` backend."""
+
+    def __init__(self, spec: AttentionSpec, d: int, *, eps: float, offset: float, dtype,
+                 rngs: nnx.Rngs):
+        k, g, h = spec.num_kv_heads, spec.group_size, spec.head_dim
         self.k, self.g, self.h = k, g, h
         self.qkv = _param(rngs, (d, k, g + 2, h), dtype, d ** -0.5)
-        self.qkv_bias = nnx.Param(jnp.zeros((k, g + 2, h), dtype)) if cfg.attention_bias else None
+        self.qkv_bias = nnx.Param(jnp.zeros((k, g + 2, h), dtype)) if spec.qkv_bias else None
         self.o = _param(rngs, (k * g, h, d), dtype, (k * g * h) ** -0.5)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(h, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
-            self.k_norm = RMSNorm(h, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(h, eps=eps, offset=offset, dtype=dtype)
+            self.k_norm = RMSNorm(h, eps=eps, offset=offset, dtype=dtype)
         else:
             self.q_norm = self.k_norm = None
-        self.cfg = cfg
+        self.spec = spec
 
-    def __call__(self, x, positions, attend: Attend, layer, window):
+    def __call__(self, x, positions, attend: Attend, layer):
         b, t, _ = x.shape
         qkv = jnp.einsum("btd,dkgh->btkgh", x, self.qkv[...])
         if self.qkv_bias is not None:
@@ -129,16 +140,17 @@ class Attention(nnx.Module):
         k, v = qkv[:, :, :, self.g], qkv[:, :, :, self.g + 1]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq, scale = rope_inv_freq(self.cfg)
+        inv_freq, scale = rope_inv_freq(self.spec.rope)
         q = apply_rope(q, positions, inv_freq, scale)
         k = apply_rope(k, positions, inv_freq, scale)
-        out = attend(layer, q, k, v, window)
+        out = attend(layer, q, k, v, self.spec.window)
         return jnp.einsum("btnh,nhd->btd", out, self.o[...])
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
-        d, f = cfg.hidden_size, cfg.intermediate_size
+    """SwiGLU: down(silu(x W_gate) * x W_up)."""
+
+    def __init__(self, d: int, f: int, *, dtype, rngs: nnx.Rngs):
         self.gate_up = _param(rngs, (d, 2, f), dtype, d ** -0.5)
         self.down = _param(rngs, (f, d), dtype, f ** -0.5)
 
@@ -148,17 +160,25 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
-        norm = dict(eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
-        self.input_norm = RMSNorm(cfg.hidden_size, **norm)
-        self.attn = Attention(cfg, dtype=dtype, rngs=rngs)
-        self.post_attn_norm = RMSNorm(cfg.hidden_size, **norm)
-        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+    """Pre-norm residual block assembled from a LayerSpec: attention, then the FFN."""
 
-    def __call__(self, x, positions, attend: Attend, layer, window):
+    def __init__(self, spec: LayerSpec, d: int, *, dtype, rngs: nnx.Rngs):
+        norm = dict(eps=spec.rms_norm_eps, offset=spec.norm_offset, dtype=dtype)
+        self.input_norm = RMSNorm(d, **norm)
+        self.attn = Attention(spec.attention, d, eps=spec.rms_norm_eps,
+                              offset=spec.norm_offset, dtype=dtype, rngs=rngs)
+        self.post_attn_norm = RMSNorm(d, **norm)
+        if spec.is_moe:
+            from .moe import MoE  # moe.py builds on this module's MLP
+
+            self.mlp = MoE(spec.ffn, d, dtype=dtype, rngs=rngs)
+        else:
+            self.mlp = MLP(d, spec.ffn.intermediate_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, positions, attend: Attend, layer):
         with jax.named_scope("attention"):
-            x = x + self.attn(self.input_norm(x), positions, attend, layer, window)
-        with jax.named_scope("mlp"):
+            x = x + self.attn(self.input_norm(x), positions, attend, layer)
+        with jax.named_scope("mlp" if isinstance(self.mlp, MLP) else "moe"):
             return x + self.mlp(self.post_attn_norm(x))
 
 
@@ -169,7 +189,8 @@ class Decoder(nnx.Module):
         self.cfg = cfg
         d, v = cfg.hidden_size, cfg.vocab_size
         self.embed = _param(rngs, (v, d), dtype, 1.0)
-        self.layers = nnx.List([Block(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([Block(cfg.layer_spec(i), d, dtype=dtype, rngs=rngs)
+                                for i in range(cfg.num_layers)])
         self.final_norm = RMSNorm(d, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _param(rngs, (d, v), dtype, d ** -0.5)
 
@@ -177,7 +198,7 @@ class Decoder(nnx.Module):
         x = self.embed[...][tokens]
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer{i}"):
-                x = layer(x, positions, attend, i, self.cfg.sliding_windows[i])
+                x = layer(x, positions, attend, i)
         return self.final_norm(x), x
 
     def head(self, normed):

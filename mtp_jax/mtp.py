@@ -39,10 +39,10 @@ class MTPInput(nnx.Module):
 
 
 class MTPModule(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, k: int, *, dtype, rngs: nnx.Rngs):
         d, v = cfg.hidden_size, cfg.vocab_size
         self.input = None if cfg.mtp_shared_input else MTPInput(cfg, dtype=dtype, rngs=rngs)
-        self.block = Block(cfg, dtype=dtype, rngs=rngs)
+        self.block = Block(cfg.layer_spec(cfg.num_layers + k), d, dtype=dtype, rngs=rngs)
         self.embed = _param(rngs, (v, d), dtype, 1.0) if cfg.mtp_own_embed else None
         self.head = _param(rngs, (d, v), dtype, d ** -0.5) if cfg.mtp_own_head else None
 
@@ -53,8 +53,8 @@ class MTPModel(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg = cfg
         self.target = Decoder(cfg, dtype=dtype, rngs=rngs)
-        self.mtp = nnx.List([MTPModule(cfg, dtype=dtype, rngs=rngs)
-                             for _ in range(cfg.num_mtp_modules)])
+        self.mtp = nnx.List([MTPModule(cfg, k, dtype=dtype, rngs=rngs)
+                             for k in range(cfg.num_mtp_modules)])
         self.mtp_shared = (MTPInput(cfg, dtype=dtype, rngs=rngs)
                            if cfg.mtp_shared_input and cfg.num_mtp_modules else None)
 
@@ -76,7 +76,7 @@ class MTPModel(nnx.Module):
         x = jnp.concatenate([h, e] if cfg.mtp_concat_order == "hidden_first" else [e, h], -1)
         x = jnp.einsum("btc,cd->btd", x, inp.proj[...])
         with jax.named_scope(f"mtp{k}"):
-            y = mod.block(x, positions, attend, cfg.num_layers + k, cfg.mtp_sliding_windows[k])
+            y = mod.block(x, positions, attend, cfg.num_layers + k)
         out = inp.final_norm(y)
         return (out if cfg.mtp_output_hidden == "post_norm" else y), out
 

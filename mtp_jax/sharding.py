@@ -1,8 +1,10 @@
 """One logical-axis sharding table for params, decode state and the kernels.
 
-Mesh axes: `tp` (tensor parallel: attention heads, MLP, vocabulary; the MTP modules too)
-and `dp` (data parallel over decode slots). `mesh=None` means one device and no
-constraints anywhere.
+Mesh axes: `tp` (tensor parallel: attention heads, MLP, vocabulary; the MTP modules too),
+`dp` (data parallel over decode slots) and, for MoE models, `ep` (expert parallel: the
+routed experts are split over it; attention and dense parts are replicated over it).
+`mesh=None` means one device and no constraints anywhere. The `ep` axis exists only in
+meshes that ask for it (`make_mesh("ep=2,tp=2")`); `axis_size` reads 1 for a missing axis.
 
 Every parameter's logical axes are derived from its name and rank (the layouts are
 documented in model.py); `RULES` maps logical axes to mesh axes. An axis whose size does
@@ -14,11 +16,15 @@ The Pallas kernels cannot be partitioned by XLA, so they run per shard under
 `jax.shard_map` (`shard_kernel`): paged attention and KV writes per kv-head shard (and
 per slot shard over `dp`); the KV pages are sharded by kv head over `tp` and replicated
 over `dp`, each dp shard writing the new KV rows of every slot (all-gathered over `dp`,
-a few KiB per step) so the replicas stay identical.
+a few KiB per step) so the replicas stay identical. The MoE expert compute runs per shard
+too (moe.py); model code finds the mesh through `use_mesh` / `active_mesh`, set around
+tracing by whoever jits the forward (step.Programs), not through module attributes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import re
 from typing import Optional
 
@@ -27,7 +33,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 RULES = {"vocab": "tp", "kv_heads": "tp", "q_heads": "tp", "mlp": "tp", "batch": "dp",
-         "embed": None}
+         "expert": "ep", "embed": None}
+# Logical axes that must divide their mesh axis (replicating them instead would silently
+# multiply memory: the routed experts are most of an MoE model's bytes).
+STRICT = ("expert",)
 
 # parameter name -> logical axes (by the last path element; rank checked)
 _PARAM_AXES = {
@@ -41,34 +50,79 @@ _PARAM_AXES = {
     "down": ("mlp", "embed"),
     "proj": (None, "embed"),
     "weight": (None,),
+    "experts_gate_up": ("expert", "embed", None, "mlp"),
+    "experts_down": ("expert", "mlp", "embed"),
+    "router": ("embed", None),
+    "router_bias": (None,),
 }
+
+_ACTIVE_MESH: contextvars.ContextVar = contextvars.ContextVar("mtp_jax_mesh", default=None)
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Optional[Mesh]):
+    """Make `mesh` the one model code shards over while tracing inside this block."""
+    token = _ACTIVE_MESH.set(mesh)
+    try:
+        yield mesh
+    finally:
+        _ACTIVE_MESH.reset(token)
+
+
+def active_mesh() -> Optional[Mesh]:
+    return _ACTIVE_MESH.get()
+
+
+def axis_size(mesh: Optional[Mesh], name: str) -> int:
+    """Size of a mesh axis; 1 for no mesh or an axis the mesh does not have."""
+    return 1 if mesh is None else dict(mesh.shape).get(name, 1)
 
 
 def make_mesh(spec: Optional[str], devices=None) -> Optional[Mesh]:
-    """A ('dp', 'tp') mesh from "tp=N,dp=M" (either may be omitted), or None."""
+    """A mesh from "tp=N,dp=M,ep=E" (each may be omitted), or None.
+
+    Axes ('dp', 'tp'), or ('dp', 'ep', 'tp') when `ep` is given: tp innermost, so the
+    devices of one tensor-parallel group are neighbours (one host, one NVLink domain).
+    """
     if not spec:
         return None
     sizes = {"tp": 1, "dp": 1}
     for part in spec.split(","):
-        m = re.fullmatch(r"\s*(tp|dp)\s*=\s*(\d+)\s*", part)
+        m = re.fullmatch(r"\s*(tp|dp|ep)\s*=\s*(\d+)\s*", part)
         if not m:
-            raise ValueError(f"mesh spec {spec!r}: expected 'tp=N,dp=M'")
+            raise ValueError(f"mesh spec {spec!r}: expected 'tp=N,dp=M,ep=E'")
         sizes[m.group(1)] = int(m.group(2))
+    names = ("dp", "ep", "tp") if "ep" in sizes else ("dp", "tp")
     devices = list(devices if devices is not None else jax.devices())
-    n = sizes["tp"] * sizes["dp"]
+    n = int(np.prod([sizes[a] for a in names]))
     if n > len(devices) or n < 1:
         raise ValueError(f"mesh {spec!r} needs {n} devices, {len(devices)} available")
-    return Mesh(np.asarray(devices[:n]).reshape(sizes["dp"], sizes["tp"]), ("dp", "tp"))
+    return Mesh(np.asarray(devices[:n]).reshape([sizes[a] for a in names]), names)
+
+
+def check_mesh(cfg, mesh: Optional[Mesh]) -> None:
+    """ConfigError for a mesh the model cannot be split over (before anything is placed)."""
+    from .config import ConfigError
+
+    ep = axis_size(mesh, "ep")
+    if ep == 1:
+        return
+    if cfg.moe is None:
+        raise ConfigError(f"mesh axis ep={ep} splits experts, but this model has none "
+                          "(use tp / dp for a dense model)")
+    if cfg.moe.num_experts % ep:
+        raise ConfigError(f"n_routed_experts={cfg.moe.num_experts} does not divide over the "
+                          f"ep={ep} mesh axis")
 
 
 def _spec(mesh: Mesh, axes, shape) -> P:
     out = []
     for ax, dim in zip(axes, shape):
         name = RULES.get(ax) if ax else None
-        if name and dim % mesh.shape[name] == 0 and mesh.shape[name] > 1:
-            out.append(name)
-        else:
-            out.append(None)
+        size = axis_size(mesh, name) if name else 1
+        if ax in STRICT and size > 1 and dim % size:
+            raise ValueError(f"{dim} experts do not divide over the {name}={size} mesh axis")
+        out.append(name if size > 1 and dim % size == 0 else None)
     return P(*out)
 
 

@@ -39,7 +39,7 @@ from .config import EngineConfig, ModelConfig, SpecConfig
 from .drafting import draft, mtp_prefill
 from .kv_cache import KVLayout, PagedKV, init_caches
 from .sampling import SALT_TARGET, accept, row_keys, sample
-from .sharding import P, batch_axis, shard_kernel
+from .sharding import P, batch_axis, shard_kernel, use_mesh
 
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH, FINISH_ERROR = 0, 1, 2, 3
 
@@ -367,7 +367,14 @@ class Programs:
             kw["in_shardings"] = ins + (self.state_sharding,) + (None,) * n_extra
             rep = jax.sharding.NamedSharding(self.static.mesh, P())
             kw["out_shardings"] = (self.state_sharding, rep) if logits else self.state_sharding
-        return jax.jit(fn, donate_argnums=(1 if with_params else 0,), **kw)
+        mesh = self.static.mesh
+
+        @functools.wraps(fn)
+        def traced(*args):  # model code (MoE) shards over the mesh it finds while tracing
+            with use_mesh(mesh):
+                return fn(*args)
+
+        return jax.jit(traced, donate_argnums=(1 if with_params else 0,), **kw)
 
     @functools.cached_property
     def run_steps(self):

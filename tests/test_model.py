@@ -279,9 +279,10 @@ def test_decoder_block(name, window):
     x = rng.standard_normal((2, 9, model.cfg.hidden_size))
     pos = np.stack([np.arange(9), np.arange(9) + 40])
     graphdef, params = nnx.split(block)
+    assert block.attn.spec.window == window  # the window comes from the layer's spec
     got = jax.jit(lambda p, x, pos: nnx.merge(graphdef, p)(
-        x, pos, causal_attend(pos), 0, window))(params, jnp.asarray(x, jnp.float32),
-                                                jnp.asarray(pos, jnp.int32))
+        x, pos, causal_attend(pos), 0))(params, jnp.asarray(x, jnp.float32),
+                                        jnp.asarray(pos, jnp.int32))
     want = np.stack([F.np_block(x[b], pos[b], block_weights(block), arch, window)
                      for b in range(2)])
     assert_close(got, want)

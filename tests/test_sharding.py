@@ -55,3 +55,36 @@ def test_mesh_spec_parsing():
         make_mesh("tp=2,xx=1")
     with pytest.raises(ValueError):
         make_mesh("tp=64")
+
+
+@pytest.fixture(scope="module")
+def moe_result():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 "
+                        "--xla_backend_optimization_level=0 "
+                        "--xla_llvm_disable_expensive_passes=true")
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "scripts",
+                                                        "moe_sharded_equivalence.py")],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.mark.parametrize("mesh, spec, shard", [
+    ("ep=2", ["ep", None, None, None], [4, 32, 2, 16]),
+    ("ep=2,tp=2", ["ep", None, None, "tp"], [4, 32, 2, 8]),
+    ("ep=4,dp=2", ["ep", None, None, None], [2, 32, 2, 16]),
+    ("tp=2", [None, None, None, "tp"], [8, 32, 2, 8])])
+def test_moe_sharded_equals_unsharded(moe_result, mesh, spec, shard):
+    r = moe_result["meshes"][mesh]
+    assert r["target_diff"] < 1e-5 and r["mtp_diff"] < 1e-5, r
+    assert all(r["equal"]), r
+    assert r["experts_spec"] == spec and r["experts_shard_shape"] == shard
+    assert r["experts_equal"]
+
+
+def test_expert_count_must_divide_the_ep_axis(moe_result):
+    assert "n_routed_experts=8" in moe_result["ep3_error"]
+    assert "ep=3" in moe_result["ep3_error"]

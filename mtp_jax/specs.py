@@ -1,0 +1,90 @@
+"""Per-layer specs: what a block is assembled from, derived once from the ModelConfig.
+
+A decoder layer (target or MTP) is an attention spec plus an FFN spec. The block
+(model.Block) builds one attention module and one FFN module from them, so a new
+architecture adds a spec kind and a module, not a flag threaded through one `Block`:
+
+- `RopeSpec`: theta, scaling and how many of the head dims rotate (partial RoPE,
+  rotate-half convention).
+- `AttentionSpec`: GQA head counts, head dim, QKV bias, q/k norm, sliding window, RoPE.
+- `DenseFFN` (SwiGLU of `intermediate_size`) or `MoEConfig` (config.py: router, routed
+  and shared experts).
+
+Layer numbering follows the checkpoints: target layers 0..N-1, then MTP module k is
+layer N + k (DeepSeek-V3 / GLM put it at `model.layers.{N + k}`), which is also what
+decides dense vs MoE for it (`first_k_dense_replace`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Union
+
+from .config import ModelConfig, MoEConfig, RopeScaling
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeSpec:
+    theta: float
+    rotary_dim: int  # leading dims of each head that rotate (partial RoPE: < head_dim)
+    scaling: Optional[RopeScaling] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    kind: str  # "gqa" (MLA comes with its own spec kind)
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope: RopeSpec
+    window: Optional[int] = None  # sliding window, None: full attention
+    qkv_bias: bool = False
+    qk_norm: bool = False
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseFFN:
+    intermediate_size: int
+
+
+FFNSpec = Union[DenseFFN, MoEConfig]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    attention: AttentionSpec
+    ffn: FFNSpec
+    rms_norm_eps: float
+    norm_offset: float = 0.0  # 1.0 for zero-centred norms
+
+    @property
+    def is_moe(self) -> bool:
+        return isinstance(self.ffn, MoEConfig)
+
+
+def rope_spec(cfg: ModelConfig) -> RopeSpec:
+    return RopeSpec(theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim, scaling=cfg.rope_scaling)
+
+
+def layer_spec(cfg: ModelConfig, layer: int) -> LayerSpec:
+    if not 0 <= layer < cfg.num_layers_total:
+        raise IndexError(f"layer {layer} out of range (0..{cfg.num_layers_total - 1})")
+    window = (cfg.sliding_windows[layer] if layer < cfg.num_layers
+              else cfg.mtp_sliding_windows[layer - cfg.num_layers])
+    attention = AttentionSpec(kind="gqa", num_heads=cfg.num_heads,
+                              num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                              rope=rope_spec(cfg), window=window,
+                              qkv_bias=cfg.attention_bias, qk_norm=cfg.qk_norm)
+    moe = cfg.moe
+    ffn = moe if moe is not None and moe.is_moe_layer(layer) else DenseFFN(
+        cfg.intermediate_size)
+    return LayerSpec(attention=attention, ffn=ffn, rms_norm_eps=cfg.rms_norm_eps,
+                     norm_offset=cfg.norm_offset)
+
+
+__all__ = ["RopeSpec", "AttentionSpec", "DenseFFN", "FFNSpec", "LayerSpec", "layer_spec",
+           "rope_spec"]
