@@ -1,0 +1,367 @@
+"""Decode benchmark of GLM-4.5-Air at its published dimensions, experts split over GPUs.
+
+  PYTHONPATH=. python launch/bench_moe_decode.py [--mesh tp=2] [--batches 1,8,32]
+      [--ctx 4096] [--qs 2,4] [--tiny]
+
+GLM-4.5-Air (zai-org/GLM-4.5-Air config.json): 46 layers (1 dense, 45 MoE), hidden 4096,
+96 query / 8 KV heads of 128, partial RoPE 0.5, QKV bias, 128 routed experts of 1408 with
+top-8 sigmoid routing and one shared expert, vocabulary 151552, one MTP layer (MoE), bf16:
+about 110 B parameters, 220 GB. Random weights arranged as launch/bench_decode.py does for
+the dense shape (an oracle draft that always agrees): every output projection (attention
+o, dense / shared / expert down) is zero, so each costs its full bytes but the residual
+stream stays the token's embedding; the lm_heads map a token to a fixed permutation of it,
+and the MTP layer's projection passes its embedding half, so its draft always agrees. The
+router is random, so each token routes to its own 8 experts per layer, as in a real model.
+Weights are generated on the devices in their final sharding (never gathered on one).
+
+Per batch B at context `ctx` (every slot active at kv_len = ctx; prefill not timed), in
+one process with the copy bandwidth measured beside them:
+- plain step (`method=none`, the engine's `run_steps` loop, per step) against its bytes
+  limit: what one GPU reads (its shards of the attention, dense, shared, router and
+  lm_head weights; the distinct routed experts its expert shard holds, the busiest
+  shard's count under ep, counted per layer from the router itself; its KV heads) over
+  the copy bandwidth of one GPU;
+- verify over q = K+1 tokens per slot (jitted `fori_loop`) / plain, beside the ratio of
+  distinct experts B*q tokens route to over those B tokens route to;
+- the draft (the MTP layer over a K+1 window + its head, `fori_loop`) against its bytes;
+- `chain` (K = 1: GLM's one MTP layer) speculative step, and the projected speed-up at
+  the shipped model's depth-1 acceptance: (1 + a_1) * plain step / chain step.
+With $OUT set, rows go to bench_moe_decode.jsonl as they are measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode import decoding_state, timed  # noqa: E402
+from bench_paged_attention import copy_bandwidth  # noqa: E402
+
+from mtp_jax.checkpoint import Model, abstract_model  # noqa: E402
+from mtp_jax.config import EngineConfig, ModelConfig, MoEConfig, SpecConfig  # noqa: E402
+from mtp_jax.drafting import draft  # noqa: E402
+from mtp_jax.kv_cache import PagedKV, make_layout  # noqa: E402
+from mtp_jax.moe import route  # noqa: E402
+from mtp_jax.sharding import P, axis_size, make_mesh, param_spec, use_mesh, state_shardings  # noqa: E402,E501
+from mtp_jax.step import Static, init_state, programs  # noqa: E402
+
+GLM_AIR = dict(
+    layout="glm4_moe", vocab_size=151552, hidden_size=4096, intermediate_size=10944,
+    num_layers=46, num_heads=96, num_kv_heads=8, head_dim=128, num_mtp_modules=1,
+    attention_bias=True, partial_rotary_factor=0.5, rope_theta=1e6, rms_norm_eps=1e-5,
+    max_position_embeddings=131072, mtp_concat_order="embed_first",
+    mtp_output_hidden="pre_norm", mtp_own_head=True, mtp_own_embed=True, dtype="bfloat16",
+    moe=MoEConfig(num_experts=128, top_k=8, intermediate_size=1408, num_shared=1,
+                  first_dense=1))
+TINY = dict(GLM_AIR, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=3,
+            num_heads=4, num_kv_heads=2, head_dim=16, dtype="float32",
+            moe=MoEConfig(num_experts=16, top_k=4, intermediate_size=32, num_shared=1,
+                          first_dense=1))
+K = 1  # GLM-4.5 publishes one MTP layer: chain with K = 1
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def oracle_moe_model(cfg: ModelConfig, dtype, mesh, seed=0) -> Model:
+    """Random weights (see the module doc), each generated in its final sharding."""
+    graphdef, state = nnx.split(abstract_model(cfg, dtype))
+    key = jax.random.PRNGKey(seed)
+    v, d = cfg.vocab_size, cfg.hidden_size
+    perm = jax.random.permutation(jax.random.fold_in(key, 1), v)
+    inv = jnp.argsort(perm)
+
+    def sharding(path, shape):
+        if mesh is None:
+            return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return NamedSharding(mesh, param_spec(mesh, path, shape))
+
+    def embed_and_head(k):
+        e = jax.random.normal(k, (v, d), jnp.float32)
+        n = e * jax.lax.rsqrt(jnp.mean(e * e, -1, keepdims=True))
+        return e.astype(dtype), (n[inv].T / np.sqrt(d) * 30.0).astype(dtype)
+
+    emb_sh, head_sh = sharding(("embed",), (v, d)), sharding(("head",), (d, v))
+    emb, head = jax.jit(embed_and_head, out_shardings=(emb_sh, head_sh))(
+        jax.random.fold_in(key, 2))
+    for i, (path, var) in enumerate(state.flat_state()):
+        path = tuple(path)
+        shape, pdt = var.get_value().shape, var.get_value().dtype
+        name = path[-1] if path[-1] != "weight" else path[-2]
+        if path[-1] == "embed":
+            val = emb
+        elif path[-1] in ("lm_head", "head"):
+            val = head
+        else:
+            kind = ("ones" if path[-1] == "weight" else
+                    "zeros" if name in ("o", "down", "experts_down", "qkv_bias", "router_bias")
+                    else "proj" if name == "proj" else "normal")
+            fan_in = shape[1] if name == "experts_gate_up" else shape[0]
+            val = _maker(kind, shape, jnp.dtype(pdt).name, sharding(path, shape), fan_in)(
+                jax.random.fold_in(key, 100 + i))
+        var.set_value(val)
+        jax.block_until_ready(val)
+    return Model(cfg, graphdef, state)
+
+
+@functools.lru_cache(maxsize=None)
+def _maker(kind, shape, dtype, sharding, fan_in):
+    """One jitted generator per (kind, shape, dtype, sharding): layers share compiles."""
+    def make(k):
+        if kind == "ones":
+            return jnp.ones(shape, dtype)
+        if kind == "zeros":
+            return jnp.zeros(shape, dtype)
+        if kind == "proj":  # embedding first in the GLM concat: pass the embedding half
+            d = shape[1]
+            return jnp.concatenate([jnp.eye(d, dtype=dtype), jnp.zeros((d, d), dtype)], 0)
+        return (jax.random.normal(k, shape, jnp.float32) * fan_in ** -0.5).astype(dtype)
+    return jax.jit(make, out_shardings=sharding)
+
+
+def byte_counts(model: Model):
+    """Bytes one GPU (device 0) reads of: the target's non-expert weights (no embedding
+    table), one expert of one layer, the MTP layer's non-expert weights + its head."""
+    dense, mtp, expert = 0, 0, 0
+    for path, var in model.params.flat_state():
+        path, arr = tuple(path), var.get_value()
+        nbytes = arr.addressable_shards[0].data.nbytes  # this GPU's piece
+        if path[-1] in ("experts_gate_up", "experts_down"):
+            if path[:3] == ("target", "layers", 1):
+                expert += nbytes // arr.addressable_shards[0].data.shape[0]
+        elif path[-1] == "embed":
+            continue
+        elif path[0] == "target":
+            dense += nbytes
+        else:
+            mtp += nbytes
+    return dense, expert, mtp
+
+
+def distinct_experts(model: Model, n_tokens: int, ep: int = 1, samples=8, seed=0):
+    """(mean distinct experts n_tokens route to, mean over layers and samples of the most
+    distinct experts any one of the `ep` expert shards holds: what its GPU reads). The
+    oracle's residual stream at every layer is the token's embedding."""
+    cfg = model.config
+    layers = [i for i in range(cfg.num_layers) if cfg.layer_spec(i).is_moe]
+    emb = model.params["target"]["embed"][...]
+    counts, busiest = [], []
+    rng = np.random.default_rng(seed)
+    per_shard = cfg.moe.num_experts // ep
+
+    @jax.jit
+    def ids_for(emb, tokens, router, bias):  # emb an argument: never a baked-in constant
+        x = emb[tokens].astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + cfg.rms_norm_eps)
+        return route(x, router, bias, cfg.moe)[0]
+
+    for layer in layers:
+        mlp = model.params["target"]["layers"][layer]["mlp"]
+        for _ in range(samples):
+            toks = jnp.asarray(rng.integers(0, cfg.vocab_size, n_tokens), jnp.int32)
+            ids = np.unique(np.asarray(ids_for(emb, toks, mlp["router"][...],
+                                               mlp["router_bias"][...])))
+            counts.append(len(ids))
+            busiest.append(np.bincount(ids // per_shard, minlength=ep).max())
+    return float(np.mean(counts)), float(np.mean(busiest))
+
+
+def bench_batch(model, b, ctx, steps, qs, dtype, mesh, acceptance, bw, sizes):
+    cfg = model.config
+    dense_b, expert_b, mtp_b = sizes
+    max_len = ctx + steps * (max(qs) + 1) * 4 + 64
+    eng = EngineConfig(max_batch=b, max_model_len=max_len, page_size=16, prefill_chunk=16)
+    progs = {}
+    for method in ("none", "chain"):
+        spec = SpecConfig(method=method, num_speculative_tokens=K)
+        layout = make_layout(cfg, eng, spec.k, dtype, mtp_layers=spec.k)
+        static = Static(cfg, spec, eng, layout, mesh)
+        sh = None
+        if mesh is not None:
+            shape = jax.eval_shape(lambda: init_state(static, dtype))
+            sh = state_shardings(shape, mesh, b)
+        p_sh = jax.tree_util.tree_map(lambda x: x.sharding, model.params) if mesh else None
+        progs[method] = programs(static, model.graphdef, sh, p_sh)
+    static_c = progs["chain"].static
+    p = model.params
+
+    def fresh(method):
+        pr = progs[method]
+        st = decoding_state(pr.static, model, b, ctx, dtype)
+        return st if mesh is None else jax.device_put(st, pr.state_sharding)
+
+    def verify_loop(q):
+        @functools.partial(jax.jit, donate_argnums=(1,))
+        def f(params, caches, st, n):
+            m = nnx.merge(model.graphdef, params)
+
+            def body(i, carry):
+                caches, tok = carry
+                kv = PagedKV(static_c.layout, caches, st.block_tables, st.limit, mesh=mesh)
+                pos = st.length[:, None] - 1 + jnp.arange(q)
+                toks = (tok[:, None] + jnp.arange(q)[None] * 7919) % cfg.vocab_size
+                normed, _ = m.target(toks, pos, kv.attend(pos, st.length + q - 1))
+                logits = m.target.head(normed)
+                return tuple(kv.caches), jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
+
+            with use_mesh(mesh):
+                return jax.lax.fori_loop(0, n, body, (caches, st.last_token))
+        return f
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def draft_loop(params, caches, st, n):
+        m = nnx.merge(model.graphdef, params)
+        sp = st.sampling
+
+        def body(i, carry):
+            caches, tok = carry
+            kv = PagedKV(static_c.layout, caches, st.block_tables, st.limit, mesh=mesh)
+            a = st.length - 2
+            pos = a[:, None] - K + jnp.arange(K + 1)
+            toks = (tok[:, None] + jnp.arange(K + 1)[None] * 7919) % cfg.vocab_size
+            hid = jnp.zeros((b, K + 1, cfg.hidden_size), dtype) + tok[:, None, None].astype(dtype)
+            d, _ = draft(m, "chain", K, kv, toks, hid, pos, sp)
+            return tuple(kv.caches), d[:, -1]
+
+        with use_mesh(mesh):
+            return jax.lax.fori_loop(0, n, body, (caches, st.last_token))
+
+    row = dict(batch=b, ctx=ctx, mesh=str(dict(mesh.shape)) if mesh else None)
+    n = jnp.int32(steps)
+    for mth, pr in progs.items():
+        t0 = time.perf_counter()
+        holder = {"st": jax.block_until_ready(pr.run_steps(p, fresh(mth), jnp.int32(1)))}
+        row[f"{mth}_compile_s"] = time.perf_counter() - t0
+
+        def run():
+            holder["st"] = jax.block_until_ready(pr.run_steps(p, holder["st"], n))
+        best, med = timed(run)
+        row[f"{mth}_step_ms"] = best / steps * 1e3
+        row[f"{mth}_step_ms_median"] = med / steps * 1e3
+        gen = np.asarray(jax.device_get(holder["st"].num_generated))
+        row[f"{mth}_tokens_per_step"] = float(gen.mean()) / (3 * steps + 1)
+        del holder
+    loops = [(f"verify{q}_ms", verify_loop(q)) for q in qs] + [("draft_ms", draft_loop)]
+    for name, fn in loops:
+        st = fresh("chain")
+        caches, st = st.caches, st.replace(caches=())
+        t0 = time.perf_counter()
+        holder = {"c": jax.block_until_ready(fn(p, caches, st, 1))[0]}
+        row[name.replace("_ms", "_compile_s")] = time.perf_counter() - t0
+
+        def run():
+            holder["c"] = jax.block_until_ready(fn(p, holder["c"], st, steps))[0]
+        best, _ = timed(run)
+        row[name] = best / steps * 1e3
+        del holder, caches
+    # Bytes one GPU reads per step (its shards of the non-expert weights, the routed
+    # experts its shard holds, its KV heads); the step waits for the busiest GPU.
+    ep, tp = axis_size(mesh, "ep"), axis_size(mesh, "tp")
+    moe_layers = sum(cfg.layer_spec(i).is_moe for i in range(cfg.num_layers))
+    kv_heads = cfg.num_kv_heads // tp if cfg.num_kv_heads % tp == 0 else cfg.num_kv_heads
+    kv_tok = cfg.num_layers * 2 * kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+    def step_bytes(n_tokens):
+        distinct, busiest = distinct_experts(model, n_tokens, ep)
+        return distinct, dense_b + moe_layers * busiest * expert_b + b * ctx * kv_tok
+
+    row["distinct_experts"], plain_bytes = step_bytes(b)
+    row["plain_bytes_per_gpu_gb"] = plain_bytes / 1e9
+    row["plain_limit_ms"] = plain_bytes / bw * 1e3
+    row["plain_pct_of_limit"] = row["plain_limit_ms"] / row["none_step_ms"] * 100
+    for q in qs:
+        dq, vb = step_bytes(b * q)
+        row[f"distinct_experts_q{q}"] = dq
+        row[f"verify{q}_ratio"] = row[f"verify{q}_ms"] / row["none_step_ms"]
+        row[f"verify{q}_bytes_ratio"] = vb / plain_bytes
+        row[f"verify{q}_expert_ratio"] = dq / row["distinct_experts"]
+        row[f"verify{q}_pct_of_limit"] = vb / bw * 1e3 / row[f"verify{q}_ms"] * 100
+    _, draft_experts = distinct_experts(model, b * (K + 1), ep)
+    draft_bytes = mtp_b + draft_experts * expert_b + b * ctx * kv_tok / cfg.num_layers
+    row["draft_limit_ms"] = draft_bytes / bw * 1e3
+    row["draft_pct_of_limit"] = row["draft_limit_ms"] / row["draft_ms"] * 100
+    row["chain_vs_plain"] = row["chain_step_ms"] / row["none_step_ms"]
+    if acceptance:
+        row["projected_speedup"] = (1 + acceptance[0]) * row["none_step_ms"] / row[
+            "chain_step_ms"]
+    row["oracle_speedup"] = (K + 1) * row["none_step_ms"] / row["chain_step_ms"]
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--qs", default="2,4", help="verify widths K+1 to time")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--mesh", default=None, help="e.g. tp=2 or ep=2 (default: one device)")
+    ap.add_argument("--acceptance", default="checkpoints/acceptance_bf16.json")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke run)")
+    args = ap.parse_args(argv)
+    cfg = ModelConfig(**(TINY if args.tiny else GLM_AIR))
+    dtype = jnp.dtype(cfg.dtype)
+    acceptance = None
+    if os.path.exists(args.acceptance):
+        with open(args.acceptance) as f:
+            acceptance = json.load(f)["chain"]["acceptance_per_depth"]
+        log(f"shipped-model acceptance per depth (chain): {acceptance}")
+    log(f"devices {[d.device_kind for d in jax.devices()]}, jax {jax.__version__}")
+    bw = copy_bandwidth() if jax.default_backend() == "gpu" else {"cpu": 1e10}
+    best_bw = max(bw.values())
+    log(f"copy bandwidth per GPU {bw}")
+    mesh = make_mesh(args.mesh)
+    t0 = time.perf_counter()
+    model = oracle_moe_model(cfg, dtype, mesh)
+    sizes = byte_counts(model)
+    log(f"model {cfg.num_params / 1e9:.1f} B params built in {time.perf_counter() - t0:.1f}s; "
+        f"per GPU: non-expert target {sizes[0] / 1e9:.2f} GB, one expert {sizes[1] / 1e6:.1f} "
+        f"MB, MTP non-expert {sizes[2] / 1e9:.2f} GB; ep={axis_size(mesh, 'ep')} "
+        f"tp={axis_size(mesh, 'tp')}")
+    out = os.environ.get("OUT")
+    rows = []
+    for b in [int(x) for x in args.batches.split(",")]:
+        row = bench_batch(model, b, args.ctx, args.steps, [int(q) for q in args.qs.split(",")],
+                          dtype, mesh, acceptance, best_bw, sizes)
+        rows.append(row)
+        log(json.dumps(row))
+        if out:
+            with open(os.path.join(out, "bench_moe_decode.jsonl"), "a") as f:
+                f.write(json.dumps(dict(row, copy_bandwidth=bw, jax=jax.__version__,
+                                        device=jax.devices()[0].device_kind)) + "\n")
+    qs = [int(q) for q in args.qs.split(",")]
+    md = ("| B | plain ms (limit, %) | distinct experts | " + " | ".join(
+        f"verify({q}) / plain (expert ratio)" for q in qs) +
+        " | draft ms (limit, %) | chain step ms | projected x |\n|" + "---|" * (6 + len(qs))
+        + "\n")
+    for r in rows:
+        md += (f"| {r['batch']} | {r['none_step_ms']:.2f} ({r['plain_limit_ms']:.2f}, "
+               f"{r['plain_pct_of_limit']:.0f} %) | {r['distinct_experts']:.1f} | " +
+               " | ".join(f"{r[f'verify{q}_ratio']:.2f} ({r[f'verify{q}_expert_ratio']:.2f})"
+                          for q in qs) +
+               f" | {r['draft_ms']:.2f} ({r['draft_limit_ms']:.2f}, "
+               f"{r['draft_pct_of_limit']:.0f} %) | {r['chain_step_ms']:.2f} | "
+               f"{r.get('projected_speedup', float('nan')):.2f} |\n")
+    log("\n" + md)
+    if out:
+        with open(os.path.join(out, "bench_moe_decode.md"), "a") as f:
+            f.write(f"mesh {args.mesh}, ctx {args.ctx}\n\n" + md + "\n")
+
+
+if __name__ == "__main__":
+    main()
