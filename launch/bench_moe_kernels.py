@@ -43,6 +43,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_paged_attention as paged_attention_bench  # noqa: E402
+
 from pallas_kernels.grouped_matmul import (  # noqa: E402
     default_block_config, grouped_matmul, grouped_matmul_reference, plan_groups)
 
@@ -58,38 +61,11 @@ def log(*a):
   print(*a, flush=True)
 
 
-def copy_bandwidth(nbytes, reps=10):
-  """(bytes/s, method): read + write bandwidth of a device copy of nbytes."""
-  try:
-    import torch  # lazy: only for the denominator
-    if not torch.cuda.is_available():
-      raise RuntimeError("torch has no CUDA device")
-    src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-      a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-      a.record()
-      dst.copy_(src)
-      b.record()
-      b.synchronize()
-      times.append(a.elapsed_time(b) / 1e3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * nbytes / min(times), f"torch dst.copy_(src), {nbytes >> 20} MiB"
-  except Exception as e:  # no torch / no CUDA: XLA copy
-    log(f"torch copy unavailable ({type(e).__name__}: {e}); using an XLA copy")
-  x = jnp.ones((nbytes // 2,), jnp.bfloat16)
-  f = jax.jit(lambda x: x + 1)
-  f(x).block_until_ready()
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    f(x).block_until_ready()
-    times.append(time.perf_counter() - t)
-  return 2 * nbytes / min(times), f"XLA x + 1, {nbytes >> 20} MiB"
+def copy_bandwidth(nbytes):
+  """(bytes/s, method): the best read + write bandwidth of a device copy of nbytes."""
+  bws = paged_attention_bench.copy_bandwidth(nbytes=nbytes)
+  method = max(bws, key=bws.get)
+  return bws[method], f"{method}, {nbytes >> 20} MiB"
 
 
 def route(key, tokens, experts, top_k):

@@ -42,12 +42,12 @@ def log(*a):
   print(*a, flush=True)
 
 
-def copy_bandwidth(reps=10):
-  """Best read+write bandwidth of a 4 GiB device copy: {method: bytes/s}."""
+def copy_bandwidth(reps=10, nbytes=COPY_BYTES):
+  """Read+write bandwidth of a device copy (4 GiB by default): {method: bytes/s}."""
   out = {}
   try:
     import torch  # lazy: only the benchmark uses torch, and only for this
-    src = torch.ones(COPY_BYTES // 2, dtype=torch.bfloat16, device="cuda")
+    src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
     dst.copy_(src)
     torch.cuda.synchronize()
@@ -59,12 +59,12 @@ def copy_bandwidth(reps=10):
       b.record()
       b.synchronize()
       times.append(a.elapsed_time(b) / 1e3)
-    out["torch dst.copy_(src)"] = 2 * COPY_BYTES / min(times)
+    out["torch dst.copy_(src)"] = 2 * nbytes / min(times)
     del src, dst
     torch.cuda.empty_cache()
   except Exception as e:  # no torch / no CUDA torch: the XLA figure stands alone
     log(f"torch copy unavailable: {type(e).__name__}: {e}")
-  x = jnp.ones((COPY_BYTES // 2,), jnp.bfloat16)
+  x = jnp.ones((nbytes // 2,), jnp.bfloat16)
   f = jax.jit(lambda x: x + 1)
   f(x).block_until_ready()
   times = []
@@ -72,7 +72,7 @@ def copy_bandwidth(reps=10):
     t = time.perf_counter()
     f(x).block_until_ready()
     times.append(time.perf_counter() - t)
-  out["XLA x + 1"] = 2 * COPY_BYTES / min(times)
+  out["XLA x + 1"] = 2 * nbytes / min(times)
   del x
   return out
 

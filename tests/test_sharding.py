@@ -14,19 +14,23 @@ from mtp_jax.sharding import make_mesh
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.fixture(scope="module")
-def result():
+def run_on_8_devices(script: str) -> dict:
+    """Run tests/scripts/<script> on 8 fake CPU devices; its RESULT line, parsed."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 "
                         "--xla_backend_optimization_level=0 "
                         "--xla_llvm_disable_expensive_passes=true")
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "scripts",
-                                                        "sharded_equivalence.py")],
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "scripts", script)],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def result():
+    return run_on_8_devices("sharded_equivalence.py")
 
 
 @pytest.mark.parametrize("method", ["none", "chain", "window", "eagle", "per_step"])
@@ -59,17 +63,8 @@ def test_mesh_spec_parsing():
 
 @pytest.fixture(scope="module")
 def moe_result():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 "
-                        "--xla_backend_optimization_level=0 "
-                        "--xla_llvm_disable_expensive_passes=true")
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "scripts",
-                                                        "moe_sharded_equivalence.py")],
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    """An MoE (GLM layout) model over ep / tp / dp meshes (scripts/moe_sharded_equivalence)."""
+    return run_on_8_devices("moe_sharded_equivalence.py")
 
 
 @pytest.mark.parametrize("mesh, spec, shard", [
