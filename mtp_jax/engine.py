@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 from typing import Any, Iterable, Iterator, Optional
 
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ConfigError, EngineConfig, SamplingParams, SpecConfig
-from .kv_cache import PageAllocator, make_layout
+from .kv_cache import PageAllocator, check_kernels, make_layout
 from .sampling import split_seed
 from .sharding import check_mesh, shard_params, state_shardings
 from .step import (FINISH_ERROR, FINISH_LENGTH, FINISH_NONE, FINISH_STOP, Static, init_state,
@@ -99,17 +100,19 @@ class Engine:
         if spec.method in ("window", "chain", "per_step"):
             n_mtp = k
         self.layout = make_layout(model.config, eng, k, model.dtype, mtp_layers=n_mtp)
+        check_kernels(self.layout, eng, model.config)
         self.static = Static(model.config, spec, eng, self.layout, mesh)
         if mesh is None:
             self.progs = programs(self.static, model.graphdef)
-            self.state = init_state(self.static, model.dtype)
+            self._init_state = functools.partial(init_state, self.static, model.dtype)
         else:
             shape = jax.eval_shape(lambda: init_state(self.static, model.dtype))
             st_sh = state_shardings(shape, mesh, eng.max_batch)
             p_sh = jax.tree_util.tree_map(lambda x: x.sharding, model.params)
             self.progs = programs(self.static, model.graphdef, st_sh, p_sh)
-            self.state = jax.jit(lambda: init_state(self.static, model.dtype),
-                                 out_shardings=st_sh)()
+            self._init_state = jax.jit(lambda: init_state(self.static, model.dtype),
+                                       out_shardings=st_sh)
+        self.state = self._init_state()
         self.alloc = PageAllocator(self.layout)
         self.slots: list[Optional[_Live]] = [None] * eng.max_batch
         self.queue: collections.deque = collections.deque()
@@ -287,7 +290,11 @@ class Engine:
         for i in live:
             self.alloc.release(self.slots[i].pages)
             self.slots[i] = None
-        if live:
+        if any(x.is_deleted() for x in jax.tree_util.tree_leaves(self.state)):
+            # Interrupted between a donating dispatch and the assignment of its result:
+            # the state's buffers are gone, so start from a fresh one (every slot is free).
+            self.state = self._init_state()
+        elif live:
             self.state = self.progs.release(self.state, self._mask(live))
 
     def _error(self, req: Request, msg: str) -> Result:

@@ -864,10 +864,11 @@ def test_cli_interrupt_while_reading_lines_exits_130_with_whole_records(
 
 class _InterruptSecondDispatch:
     """The engine's programs, except that the second `run_steps` raises KeyboardInterrupt
-    (a Ctrl-C in a notebook while generate() runs)."""
+    (a Ctrl-C in a notebook while generate() runs): before the dispatch, or after it has
+    consumed (donated) the state and before its result is assigned."""
 
-    def __init__(self, progs):
-        self._progs, self._calls = progs, 0
+    def __init__(self, progs, after):
+        self._progs, self._calls, self._after = progs, 0, after
 
     def __getattr__(self, name):
         return getattr(self._progs, name)
@@ -875,16 +876,19 @@ class _InterruptSecondDispatch:
     def run_steps(self, *args):
         self._calls += 1
         if self._calls == 2:
+            if self._after:
+                jax.block_until_ready(self._progs.run_steps(*args))  # state donated
             raise KeyboardInterrupt
         return self._progs.run_steps(*args)
 
 
+@pytest.mark.parametrize("after", [False, True], ids=["before_dispatch", "after_dispatch"])
 def test_generate_after_an_interrupted_generate_returns_its_own_results(engine, alone,
-                                                                         monkeypatch):
+                                                                         monkeypatch, after):
     sp = SAMPLINGS[0]
     want = [alone("none", p, sp) for p in PROMPTS[3:]]
     eng = engine("none")
-    monkeypatch.setattr(eng, "progs", _InterruptSecondDispatch(eng.progs))
+    monkeypatch.setattr(eng, "progs", _InterruptSecondDispatch(eng.progs, after))
     with pytest.raises(KeyboardInterrupt):
         eng.generate(PROMPTS, sp)
     monkeypatch.undo()
