@@ -11,8 +11,14 @@ Import streams: tensors are memory-mapped, each parameter is built, converted to
 dtype and placed on its devices before the next one is read, and with shardings each
 device's piece is cut from the files directly (an expert-sharded parameter reads only
 the experts of that device), so a model larger than host memory loads onto a mesh.
-Safetensors files are read and written here directly (header + raw bytes, bf16 through
-ml_dtypes), so truncated files are caught with a clear message.
+Safetensors files are read and written here directly (header + raw bytes, bf16 and fp8
+through ml_dtypes), so truncated files are caught with a clear message.
+
+FP8 block-scaled checkpoints (DeepSeek-V3's `quantization_config`): every float8_e4m3fn
+weight must come with its `<name>_scale_inv` of the config's block shape; they are
+dequantized as they are read (`Fp8Blocks`), to the load dtype (bf16 on accelerators,
+float32 on CPU), next to the tensors stored unquantized. Export writes the dequantized
+weights without a quantization_config.
 """
 
 from __future__ import annotations
@@ -39,8 +45,11 @@ class CheckpointError(ValueError):
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
               "F64": np.float64, "I64": np.int64, "I32": np.int32, "I16": np.int16,
-              "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+              "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+              "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 _FLOAT_CODES = {"F32", "F16", "BF16", "F64"}
+_FP8_CODES = {"F8_E4M3", "F8_E5M2"}
+SCALE_SUFFIX = "_scale_inv"  # DeepSeek's name for a weight's per-block dequantization scale
 _NP_TO_ST = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
 
 
@@ -133,6 +142,74 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata=None) 
             f.write(blob)
 
 
+# ------------------------------------------------------------------- FP8 block scales
+class Fp8Blocks:
+    """A float8_e4m3fn weight [out, in] with its per-block scales, read as float32.
+
+    weight_scale_inv [ceil(out / bo), ceil(in / bi)]: the real weight is fp8 * the scale of
+    its (bo, bi) block (edge blocks partial). Indexing with slices dequantizes only that
+    piece, so an expert-sharded parameter still reads only its own experts.
+    """
+
+    dtype = np.dtype(np.float32)
+
+    def __init__(self, weight, scale, block):
+        self.weight, self.scale, self.block = weight, scale, block
+        self.shape = weight.shape
+
+    def __getitem__(self, index):
+        index = tuple(index) + (slice(None),) * (2 - len(tuple(index)))
+        rows, cols = (np.arange(n)[i] for n, i in zip(self.shape, index))
+        s = np.asarray(self.scale, np.float32)[np.ix_(rows // self.block[0],
+                                                      cols // self.block[1])]
+        return np.asarray(self.weight[index], np.float32) * s
+
+    def __array__(self, dtype=None, copy=None):
+        out = self[:, :]
+        return out if dtype is None else out.astype(dtype)
+
+
+def check_fp8(cfg: ModelConfig, found: dict) -> tuple[dict, list[str]]:
+    """FP8 weights and their scales in a checkpoint's headers: ({weight name: scale name},
+    problems). found: {name: (file, base, (code, shape, offsets))}."""
+    fp8 = sorted(k for k, v in found.items() if v[2][0] in _FP8_CODES)
+    scales = sorted(k for k in found if k.endswith(SCALE_SUFFIX))
+    if not fp8 and not scales:
+        return {}, []
+    q = cfg.quantization
+    if q is None:
+        return {}, [f"FP8 tensors or scales but config.json has no quantization_config: "
+                    f"{(fp8 + scales)[:8]}{' ...' if len(fp8) + len(scales) > 8 else ''}"]
+    pairs, problems = {}, []
+    no_scale, bad_shape, orphan, not_2d, e5m2 = [], [], [], [], []
+    for name in fp8:
+        shape = found[name][2][1]
+        scale = name + SCALE_SUFFIX
+        if found[name][2][0] != "F8_E4M3":
+            e5m2.append(name)
+        if len(shape) != 2:
+            not_2d.append(f"{name} {list(shape)}")
+        elif scale not in found:
+            no_scale.append(name)
+        else:
+            want = tuple(-(-x // b) for x, b in zip(shape, q.block))
+            got = found[scale][2][1]
+            if got != want or found[scale][2][0] not in _FLOAT_CODES:
+                bad_shape.append(f"{scale} is {list(got)} {found[scale][2][0]}, expected "
+                                 f"{list(want)} float for {list(shape)} in {list(q.block)} "
+                                 "blocks")
+            pairs[name] = scale
+    orphan = [s for s in scales if s[:-len(SCALE_SUFFIX)] not in fp8]
+    for what, items in (("FP8 tensors without scales", no_scale),
+                        ("scales of the wrong block shape", bad_shape),
+                        ("scales without an FP8 tensor", orphan),
+                        ("FP8 tensors that are not 2-D weights", not_2d),
+                        ("FP8 tensors not in e4m3 (quantization_config.fmt is e4m3)", e5m2)):
+        if items:
+            problems.append(f"{what}: {items}")
+    return pairs, problems
+
+
 # --------------------------------------------------------------------------- key map
 @dataclasses.dataclass(frozen=True)
 class Entry:
@@ -146,6 +223,10 @@ class Entry:
     # (HF arrays, index tuple of slices) -> parameter[index], reading only what it needs;
     # None: join the whole parameter, then slice.
     slice_join: Optional[Callable] = None
+    # Several parameters cut from one HF tensor (MLA's kv_b_proj): the first exports it
+    # from all of them with `export(flat params)`, the others set `exported` False.
+    export: Optional[Callable] = None
+    exported: bool = True
 
 
 def _t(a):
@@ -164,6 +245,13 @@ def _block_entries(cfg: ModelConfig, layer: int, path: tuple, prefix: str) -> li
     """Attention and FFN tensors of one decoder layer (target or MTP), from its spec."""
     spec = cfg.layer_spec(layer)
     att = spec.attention
+    if att.kind == "mla":
+        es = [_vector(path + ("input_norm", "weight"), prefix + "input_layernorm.weight",
+                      cfg.hidden_size),
+              _vector(path + ("post_attn_norm", "weight"),
+                      prefix + "post_attention_layernorm.weight", cfg.hidden_size)]
+        es += _mla_entries(att, cfg.hidden_size, path + ("attn",), prefix + "self_attn.")
+        return es + _ffn_entries(spec, cfg.hidden_size, path, prefix)
     d, k, g, h = cfg.hidden_size, att.num_kv_heads, att.group_size, att.head_dim
     n = k * g
     a = prefix + "self_attn."
@@ -205,10 +293,81 @@ def _block_entries(cfg: ModelConfig, layer: int, path: tuple, prefix: str) -> li
     if att.qk_norm:
         es.append(_vector(path + ("attn", "q_norm", "weight"), a + "q_norm.weight", h))
         es.append(_vector(path + ("attn", "k_norm", "weight"), a + "k_norm.weight", h))
+    return es + _ffn_entries(spec, d, path, prefix)
+
+
+def _ffn_entries(spec, d: int, path: tuple, prefix: str) -> list[Entry]:
     if spec.is_moe:
-        es += _moe_entries(spec.ffn, d, path + ("mlp",), prefix + "mlp.")
+        return _moe_entries(spec.ffn, d, path + ("mlp",), prefix + "mlp.")
+    return _swiglu_entries(d, spec.ffn.intermediate_size, path + ("mlp",), prefix + "mlp.")
+
+
+def _rope_order(e: int, interleaved: bool) -> np.ndarray:
+    """Where each stored rope dim comes from: DeepSeek publishes the rope dims of q and
+    k_pe as interleaved pairs (x0, x1), (x2, x3), ...; the model rotates halves, so pair i
+    becomes dims (i, i + e/2). Permuting q and k alike leaves every score unchanged."""
+    if not interleaved:
+        return np.arange(e)
+    return np.concatenate([np.arange(0, e, 2), np.arange(1, e, 2)])
+
+
+def _mla_entries(att, d: int, path: tuple, a: str) -> list[Entry]:
+    """MLA projections (mla.py layouts) from DeepSeek's q(_a/_b)_proj, kv_a_proj_with_mqa,
+    kv_b_proj (split into w_uk / w_uv) and o_proj."""
+    m, n = att.mla, att.num_heads
+    p, e, r, v, qk = m.qk_nope_dim, m.qk_rope_dim, m.kv_lora_rank, m.v_head_dim, m.qk_head_dim
+    order = _rope_order(e, m.rope_interleave)
+    inverse = np.argsort(order)
+
+    def q_join(arrs):  # [n * qk, in] -> [in, n, qk], rope dims reordered
+        w = np.asarray(arrs[0]).reshape(n, qk, -1)
+        w = np.concatenate([w[:, :p], w[:, p:][:, order]], axis=1)
+        return np.ascontiguousarray(w.transpose(2, 0, 1))
+
+    def q_split(w):
+        w = np.asarray(w).transpose(1, 2, 0)
+        w = np.concatenate([w[:, :p], w[:, p:][:, inverse]], axis=1)
+        return [w.reshape(n * qk, -1)]
+
+    def kv_a_join(arrs):  # [r + e, d] -> [d, r + e]
+        w = np.asarray(arrs[0])
+        return _t(np.concatenate([w[:r], w[r:][order]], axis=0))
+
+    def kv_a_split(w):
+        w = _t(w)
+        return [np.concatenate([w[:r], w[r:][inverse]], axis=0)]
+
+    kv_b = a + "kv_b_proj.weight"
+
+    def kv_b_export(flat):
+        uk = np.asarray(flat[path + ("w_uk",)], np.float32)             # [n, p, r]
+        uv = np.asarray(flat[path + ("w_uv",)], np.float32).transpose(0, 2, 1)  # [n, v, r]
+        return [np.concatenate([uk, uv], axis=1).reshape(n * (p + v), r)]
+
+    es = []
+    if m.q_lora_rank is None:
+        es.append(Entry(path + ("q",), (a + "q_proj.weight",), ((n * qk, d),), q_join, q_split))
     else:
-        es += _swiglu_entries(d, spec.ffn.intermediate_size, path + ("mlp",), prefix + "mlp.")
+        c = m.q_lora_rank
+        es += [_linear(path + ("q_a",), a + "q_a_proj.weight", c, d),
+               _vector(path + ("q_a_norm", "weight"), a + "q_a_layernorm.weight", c),
+               Entry(path + ("q_b",), (a + "q_b_proj.weight",), ((n * qk, c),), q_join,
+                     q_split)]
+    es += [
+        Entry(path + ("kv_a",), (a + "kv_a_proj_with_mqa.weight",), ((r + e, d),), kv_a_join,
+              kv_a_split),
+        _vector(path + ("kv_a_norm", "weight"), a + "kv_a_layernorm.weight", r),
+        Entry(path + ("w_uk",), (kv_b,), ((n * (p + v), r),),
+              lambda arrs: np.ascontiguousarray(np.asarray(arrs[0]).reshape(n, p + v, r)[:, :p]),
+              None, export=kv_b_export),
+        Entry(path + ("w_uv",), (kv_b,), ((n * (p + v), r),),
+              lambda arrs: np.ascontiguousarray(
+                  np.asarray(arrs[0]).reshape(n, p + v, r)[:, p:].transpose(0, 2, 1)),
+              None, exported=False),
+        Entry(path + ("o",), (a + "o_proj.weight",), ((d, n * v),),
+              lambda arrs: np.ascontiguousarray(np.asarray(arrs[0]).T.reshape(n, v, d)),
+              lambda w: [_t(np.asarray(w).reshape(n * v, d))]),
+    ]
     return es
 
 
@@ -416,9 +575,10 @@ def load_hf(path: str, *, dtype=None, config: Optional[ModelConfig] = None,
             found[name] = (fpath, 8 + n, entry)
     if config is None:
         cfg = _mtp_tensors_present(cfg, found)
+    fp8, problems = check_fp8(cfg, found)
+    scale_of = {w: found.pop(sc) for w, sc in fp8.items()}
     entries = hf_key_map(cfg)
     expected = {nm: shp for e in entries for nm, shp in zip(e.names, e.shapes)}
-    problems = []
     if dup:
         problems.append("duplicate tensors (in several files): " + ", ".join(
             f"{k} in {[os.path.basename(x) for x in v]}" for k, v in sorted(dup.items())))
@@ -433,7 +593,7 @@ def load_hf(path: str, *, dtype=None, config: Optional[ModelConfig] = None,
     if shaped:
         problems.append("mis-shaped tensors: " + "; ".join(shaped))
     typed = sorted(f"{k} has dtype {found[k][2][0]}" for k in set(found) & set(expected)
-                   if found[k][2][0] not in _FLOAT_CODES)
+                   if found[k][2][0] not in _FLOAT_CODES and k not in fp8)
     if typed:
         problems.append("non-float tensors where weights are expected: " + "; ".join(typed))
     if weight_map is not None:
@@ -452,6 +612,9 @@ def load_hf(path: str, *, dtype=None, config: Optional[ModelConfig] = None,
     flat, nonfinite = {}, []
     for e in entries:
         arrs = [read_tensor(found[name][0], found[name][1:]) for name in e.names]
+        arrs = [Fp8Blocks(a, read_tensor(scale_of[nm][0], scale_of[nm][1:]),
+                          cfg.quantization.block) if nm in scale_of else a
+                for nm, a in zip(e.names, arrs)]
         flat[e.path] = _place(e, arrs, want[e.path], shardings, nonfinite)
         del arrs
     if nonfinite:
@@ -510,8 +673,12 @@ def save_hf(model: Model, path: str, *, dtype=None, max_shard_bytes: Optional[in
     tensors = {}
     for e in hf_key_map(cfg):
         # The router bias is published in float32 whatever the weights' dtype.
+        if not e.exported:
+            continue
         to = np.float32 if e.path[-1] == "router_bias" else dt
-        for name, arr in zip(e.names, e.split(np.asarray(flat[e.path], np.float32))):
+        arrays = (e.export(flat) if e.export is not None
+                  else e.split(np.asarray(flat[e.path], np.float32)))
+        for name, arr in zip(e.names, arrays):
             tensors[name] = np.asarray(arr).astype(to)
     hf = cfg.to_hf()
     hf["torch_dtype"] = str(dt) if dt != np.dtype(ml_dtypes.bfloat16) else "bfloat16"

@@ -5,11 +5,13 @@ architecture fact the target and the MTP drafting need: the MTP concat order, po
 embedding zeroing, which hidden the target hands to MTP (before or after its final norm),
 which hidden a module hands on, per-module or shared heads and embeddings, the hidden
 source (`previous` / `target`), per-layer sliding windows, RoPE scaling and, for MoE
-models, the router and experts (`MoEConfig`). Five weight layouts are understood:
+models, the router and experts (`MoEConfig`), for MLA models the latent dims (`MLAConfig`).
+Five weight layouts are understood:
 
 - ``mimo``        MiMo (Qwen2 target, QKV bias, ``model.mtp_layers.{i}.*``), hidden first.
-- ``deepseek_v3`` DeepSeek-V3 naming (``model.layers.{N + k}.*``) on GQA blocks, dense or
-                  MoE (MLA is not implemented yet).
+- ``deepseek_v3`` DeepSeek-V3 / R1 / V3.1 (``model.layers.{N + k}.*``): multi-head latent
+                  attention (`MLAConfig`) or GQA blocks, dense or MoE FFNs; FP8
+                  block-scaled checkpoints (`quantization_config`) are dequantized at load.
 - ``glm4_moe``    GLM-4.5 / 4.6 / 4.7 (``Glm4MoeForCausalLM``): DeepSeek naming, GQA with
                   QKV bias, optional q/k norm, partial RoPE, sigmoid-routed MoE after
                   `first_k_dense_replace` dense layers.
@@ -18,7 +20,7 @@ models, the router and experts (`MoEConfig`). Five weight layouts are understood
 
 `ModelConfig.layer_spec(i)` turns the flat fields into the per-layer spec a block is
 assembled from (specs.py). Anything in a config that would change the math and that we do
-not implement (MLA, gated attention, linear attention, an unknown key) raises
+not implement (gated attention, linear attention, an unknown key) raises
 `ConfigError` naming the field. Variants are made with `dataclasses.replace`, never by
 assignment.
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any, Optional
 
@@ -51,6 +54,10 @@ class RopeScaling:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     attention_factor: Optional[float] = None
+    # yarn, DeepSeek form: cos/sin scale mscale(factor, mscale) / mscale(factor, all_dim);
+    # MLA also multiplies its softmax scale by mscale(factor, mscale_all_dim) ** 2
+    mscale: Optional[float] = None
+    mscale_all_dim: Optional[float] = None
     # llama3
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -119,6 +126,60 @@ class MoEConfig:
         return layer >= self.first_dense and layer % self.layer_freq == 0
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude scale 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): keys and values come from one latent.
+
+    q = q_b(norm(q_a x)) (or q_proj x when `q_lora_rank` is None), per head `qk_nope_dim`
+    + `qk_rope_dim`; the latent c = norm(kv_a x)[:kv_lora_rank] and one shared rope key
+    k_pe = kv_a x[kv_lora_rank:] are all a token caches (kv_lora_rank + qk_rope_dim values);
+    kv_b expands c into each head's nope key and value (`v_head_dim`). RoPE rotates only
+    the rope part, on interleaved pairs when `rope_interleave` (DeepSeek's layout).
+    """
+
+    kv_lora_rank: int
+    qk_nope_dim: int
+    qk_rope_dim: int
+    v_head_dim: int
+    q_lora_rank: Optional[int] = None
+    rope_interleave: bool = True
+
+    def __post_init__(self):
+        for name in ("kv_lora_rank", "qk_rope_dim", "v_head_dim"):
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"MLA {name} must be >= 1, got {getattr(self, name)}")
+        if self.qk_nope_dim < 0 or (self.q_lora_rank is not None and self.q_lora_rank < 1):
+            raise ConfigError(f"MLA qk_nope_head_dim={self.qk_nope_dim} must be >= 0 and "
+                              f"q_lora_rank={self.q_lora_rank} >= 1 or null")
+        if self.qk_rope_dim % 2:
+            raise ConfigError(f"MLA qk_rope_head_dim={self.qk_rope_dim} must be even (RoPE "
+                              "rotates pairs)")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_dim + self.qk_rope_dim
+
+    @property
+    def cache_dim(self) -> int:
+        """Values cached per token and layer: the latent, then the rope key."""
+        return self.kv_lora_rank + self.qk_rope_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8BlockQuant:
+    """`quantization_config` of an FP8 block-scaled checkpoint (DeepSeek-V3 style): each
+    quantized weight [out, in] is float8_e4m3fn with `weight_scale_inv` [ceil(out / bo),
+    ceil(in / bi)]; the real weight is fp8 * scale of its (bo, bi) block."""
+
+    block: tuple  # (bo, bi) = weight_block_size
+    fmt: str = "e4m3"
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     layout: str
@@ -151,6 +212,8 @@ class ModelConfig:
     mtp_shared_input: bool = False  # one fc / pre-norms / final norm for all modules (Qwen3-Next)
     mtp_sliding_windows: tuple = ()  # per MTP module: None or window size
     moe: Optional[MoEConfig] = None  # routed experts (None: every FFN dense)
+    mla: Optional[MLAConfig] = None  # latent attention (None: GQA)
+    quantization: Optional[Fp8BlockQuant] = None  # how the checkpoint's weights are stored
     dtype: str = "bfloat16"  # checkpoint dtype (HF torch_dtype)
 
     def __post_init__(self):
@@ -180,6 +243,16 @@ class ModelConfig:
         if self.moe is not None and self.layout not in MOE_LAYOUTS:
             raise ConfigError(f"MoE FFNs are implemented for the {MOE_LAYOUTS} layouts, "
                               f"not {self.layout}")
+        if self.mla is not None:
+            if self.layout != "deepseek_v3":
+                raise ConfigError(f"MLA is implemented for the deepseek_v3 layout, not "
+                                  f"{self.layout}")
+            if self.head_dim != self.mla.qk_head_dim:
+                raise ConfigError(f"MLA head_dim={self.head_dim} must equal qk_nope_head_dim "
+                                  f"+ qk_rope_head_dim = {self.mla.qk_head_dim}")
+            if any(w is not None for w in self.sliding_windows + self.mtp_sliding_windows):
+                raise ConfigError("sliding-window layers with MLA are not implemented (the "
+                                  "paged MLA kernel attends over the full context)")
         rot = self.rotary_dim
         if rot % 2 or rot <= 0 or rot > self.head_dim:
             raise ConfigError(f"partial_rotary_factor={self.partial_rotary_factor} gives an "
@@ -191,6 +264,8 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
+        if self.mla is not None:
+            return self.mla.qk_rope_dim
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
@@ -206,10 +281,17 @@ class ModelConfig:
         return layer_spec(self, layer)
 
     def block_params(self, layer: int) -> int:
-        d, hd = self.hidden_size, self.head_dim
-        attn = d * (self.num_heads + 2 * self.num_kv_heads) * hd + self.num_heads * hd * d
-        attn += (self.num_heads + 2 * self.num_kv_heads) * hd if self.attention_bias else 0
-        attn += 2 * hd if self.qk_norm else 0
+        d, hd, n = self.hidden_size, self.head_dim, self.num_heads
+        if self.mla is not None:
+            m = self.mla
+            q = d * n * hd if m.q_lora_rank is None else (
+                d * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * n * hd)
+            attn = q + d * m.cache_dim + m.kv_lora_rank
+            attn += m.kv_lora_rank * n * (m.qk_nope_dim + m.v_head_dim) + n * m.v_head_dim * d
+        else:
+            attn = d * (n + 2 * self.num_kv_heads) * hd + n * hd * d
+            attn += (n + 2 * self.num_kv_heads) * hd if self.attention_bias else 0
+            attn += 2 * hd if self.qk_norm else 0
         moe = self.moe
         if moe is not None and moe.is_moe_layer(layer):
             ffn = moe.num_experts * (3 * d * moe.intermediate_size + 1) + d * moe.num_experts
@@ -509,6 +591,8 @@ def _from_hf_dict(raw: dict) -> ModelConfig:
         return default
 
     moe = _parse_moe(raw, layout, get) if layout in MOE_LAYOUTS else None
+    mla = _parse_mla(raw, get) if layout == "deepseek_v3" else None
+    quantization = _parse_quantization(get("quantization_config", None))
     for key, what in _UNSUPPORTED.items():
         if key in used:  # read by the MoE parser
             continue
@@ -554,7 +638,15 @@ def _from_hf_dict(raw: dict) -> ModelConfig:
     kv_heads = heads if kv_heads is None else as_int("num_key_value_heads")
     used.add("num_key_value_heads")
     head_dim = raw.get("head_dim")
-    head_dim = hidden // heads if head_dim is None else as_int("head_dim")
+    if mla is not None:
+        # transformers writes MLA's head_dim as the rope dim; the q/k head is nope + rope.
+        if head_dim not in (None, mla.qk_rope_dim, mla.qk_head_dim):
+            raise ConfigError(f"config field head_dim={head_dim!r} does not match the MLA "
+                              f"dims (qk_rope_head_dim {mla.qk_rope_dim}, qk_nope_head_dim + "
+                              f"qk_rope_head_dim {mla.qk_head_dim})")
+        head_dim = mla.qk_head_dim
+    else:
+        head_dim = hidden // heads if head_dim is None else as_int("head_dim")
     used.add("head_dim")
     num_layers = as_int("num_hidden_layers")
     num_mtp = as_int("num_nextn_predict_layers", 0, alias=("mtp_num_hidden_layers",),
@@ -625,6 +717,8 @@ def _from_hf_dict(raw: dict) -> ModelConfig:
         num_mtp_modules=num_mtp,
         mtp_sliding_windows=mtp_windows,
         moe=moe,
+        mla=mla,
+        quantization=quantization,
         dtype=str(raw.get("torch_dtype", raw.get("dtype", "bfloat16")) or "bfloat16"),
     )
     per_layout = {
@@ -672,6 +766,68 @@ def _from_hf_dict(raw: dict) -> ModelConfig:
     return ModelConfig(**common, **per_layout)
 
 
+_MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+             "v_head_dim", "rope_interleave")
+
+
+def _parse_mla(raw: dict, get) -> Optional[MLAConfig]:
+    """The MLAConfig of a DeepSeek-V3 config, or None when it describes GQA blocks."""
+    if raw.get("kv_lora_rank") in _TRIVIAL:
+        for key in _MLA_KEYS[1:5]:
+            if raw.get(key) not in _TRIVIAL:
+                raise ConfigError(f"config field {key}={raw[key]!r} (MLA) is given but "
+                                  "kv_lora_rank is not")
+        return None
+
+    def dim(key, required=True):
+        val = get(key, None)
+        if val is None and not required:
+            return None
+        if isinstance(val, bool) or not isinstance(val, int) or val < 0:
+            raise ConfigError(f"config field {key}={val!r} (MLA) must be a non-negative integer")
+        return val
+
+    interleave = get("rope_interleave", True)
+    if not isinstance(interleave, bool):
+        raise ConfigError(f"config field rope_interleave={interleave!r} must be true or false")
+    if raw.get("use_mla") is False:
+        raise ConfigError("config field use_mla=false: DeepSeek-V3 with MLA switched off is "
+                          "not a published model; not supported")
+    get("use_mla", True)
+    try:
+        return MLAConfig(kv_lora_rank=dim("kv_lora_rank"), qk_nope_dim=dim("qk_nope_head_dim"),
+                         qk_rope_dim=dim("qk_rope_head_dim"), v_head_dim=dim("v_head_dim"),
+                         q_lora_rank=dim("q_lora_rank", required=False),
+                         rope_interleave=interleave)
+    except ConfigError as e:
+        raise ConfigError(f"config.json MLA fields: {e}") from None
+
+
+def _parse_quantization(qc) -> Optional[Fp8BlockQuant]:
+    """FP8 block-scaled `quantization_config` (DeepSeek-V3's); anything else is refused."""
+    if qc in _TRIVIAL:
+        return None
+    if not isinstance(qc, dict):
+        raise ConfigError(f"config field quantization_config={qc!r} must be an object")
+    method = qc.get("quant_method")
+    if method != "fp8":
+        raise ConfigError(f"quantization_config.quant_method={method!r} is not supported "
+                          "(fp8 block-scaled checkpoints only)")
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ConfigError(f"quantization_config.fmt={fmt!r} is not supported (e4m3)")
+    block = qc.get("weight_block_size")
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(
+            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ConfigError(f"quantization_config.weight_block_size={block!r} must be two "
+                          "positive integers (per-tensor or per-channel fp8 is not supported)")
+    unknown = sorted(set(qc) - {"quant_method", "fmt", "weight_block_size",
+                                "activation_scheme", "modules_to_not_convert"})
+    if unknown:
+        raise ConfigError(f"quantization_config fields not understood: {unknown}")
+    return Fp8BlockQuant(block=tuple(block), fmt=fmt)
+
+
 def _parse_rope_scaling(rs, max_pos) -> Optional[RopeScaling]:
     if not rs:
         return None
@@ -689,16 +845,21 @@ def _parse_rope_scaling(rs, max_pos) -> Optional[RopeScaling]:
     unknown = sorted(set(rs) - known)
     if unknown:
         raise ConfigError(f"rope_scaling fields not understood: {unknown}")
-    if kind == "yarn" and (rs.get("mscale") not in (None, 1, 1.0)
-                           or rs.get("mscale_all_dim") not in (None, 0, 0.0)):
-        raise ConfigError("rope_scaling.mscale / mscale_all_dim (DeepSeek MLA yarn) "
-                          "is not supported")
+    for key in ("mscale", "mscale_all_dim"):
+        val = rs.get(key)
+        if val is not None and (isinstance(val, bool) or not isinstance(val, (int, float))
+                                or val < 0):
+            raise ConfigError(f"rope_scaling.{key}={val!r} must be a non-negative number")
+        if val is not None and kind != "yarn":
+            raise ConfigError(f"rope_scaling.{key} is a yarn field, not {kind}")
     return RopeScaling(
         kind=kind, factor=float(rs.get("factor", 1.0)),
         original_max_position=int(orig) if orig else None,
         beta_fast=float(rs.get("beta_fast", 32.0)), beta_slow=float(rs.get("beta_slow", 1.0)),
         attention_factor=(float(rs["attention_factor"]) if rs.get("attention_factor")
                           is not None else None),
+        mscale=None if rs.get("mscale") is None else float(rs["mscale"]),
+        mscale_all_dim=None if rs.get("mscale_all_dim") is None else float(rs["mscale_all_dim"]),
         low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
         high_freq_factor=float(rs.get("high_freq_factor", 4.0)))
 
@@ -737,6 +898,11 @@ def _to_hf_dict(cfg: ModelConfig) -> dict:
         if cfg.layout == "deepseek_v3":
             out.update(scoring_func=m.router, moe_layer_freq=m.layer_freq,
                        topk_method="noaux_tc" if m.score_bias else "greedy")
+    if cfg.mla is not None:
+        m = cfg.mla
+        out.update(kv_lora_rank=m.kv_lora_rank, q_lora_rank=m.q_lora_rank,
+                   qk_nope_head_dim=m.qk_nope_dim, qk_rope_head_dim=m.qk_rope_dim,
+                   v_head_dim=m.v_head_dim, rope_interleave=m.rope_interleave)
     if cfg.rope_scaling is not None:
         rs = cfg.rope_scaling
         d = {"rope_type": rs.kind, "factor": rs.factor}
@@ -746,6 +912,9 @@ def _to_hf_dict(cfg: ModelConfig) -> dict:
             d.update(beta_fast=rs.beta_fast, beta_slow=rs.beta_slow)
             if rs.attention_factor is not None:
                 d["attention_factor"] = rs.attention_factor
+            for key in ("mscale", "mscale_all_dim"):
+                if getattr(rs, key) is not None:
+                    d[key] = getattr(rs, key)
         if rs.kind == "llama3":
             d.update(low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor)
         out["rope_scaling"] = d

@@ -14,7 +14,10 @@ Page 0 of every pool is a null page that is never allocated: unused table entrie
 there. Non-finite K/V are written as zeros (the engine reports the request that made them). Writes go through slot mappings (`page * page_size + offset`); positions outside
 [0, limit) get DROP_SLOT and are dropped, never wrapped (a -1 index wraps in jnp).
 
-Caches per layer: k, v [kv_heads, num_pages_of_its_group, page_size, head_dim].
+Caches per layer: k, v [kv_heads, num_pages_of_its_group, page_size, head_dim]; with
+latent attention (MLA, `latent` layouts) one array per layer, (kv,) [1, num_pages,
+page_size, kv_lora_rank + rope dims]: a token's latent and rope key, which is its key for
+every head and, in its first kv_lora_rank dims, its value (pallas_kernels/paged_mla.py).
 """
 
 from __future__ import annotations
@@ -28,9 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.kv_write import DROP_SLOT, slot_mapping, write_kv
+from pallas_kernels import paged_mla as mla_kernel
+from pallas_kernels import resolve_backend
 from pallas_kernels.paged_attention import paged_attention
 
-from .config import EngineConfig, ModelConfig
+from .config import ConfigError, EngineConfig, ModelConfig
+from .model import cache_entry
 from .sharding import P, batch_axis, kv_heads_axis, shard_kernel
 
 
@@ -52,6 +58,11 @@ class KVLayout:
     kv_heads: int
     head_dim: int
     dtype: str
+    latent: bool = False  # MLA: one cached row per token, keys and values in one
+
+    @property
+    def arrays_per_layer(self) -> int:
+        return 1 if self.latent else 2
 
     @property
     def num_layers(self) -> int:
@@ -62,7 +73,8 @@ class KVLayout:
         return g.ring_pages if g.window is not None else math.ceil(tokens / self.page_size)
 
     def bytes_per_page(self) -> int:
-        return 2 * self.kv_heads * self.page_size * self.head_dim * jnp.dtype(self.dtype).itemsize
+        return (self.arrays_per_layer * self.kv_heads * self.page_size * self.head_dim
+                * jnp.dtype(self.dtype).itemsize)
 
 
 def make_layout(cfg: ModelConfig, eng: EngineConfig, k: int, dtype, *,
@@ -79,7 +91,8 @@ def make_layout(cfg: ModelConfig, eng: EngineConfig, k: int, dtype, *,
     ps = eng.page_size
     width = math.ceil((eng.max_model_len + k + eng.prefill_chunk) / ps) + 1
     itemsize = jnp.dtype(dtype).itemsize
-    page_bytes = 2 * cfg.num_kv_heads * ps * cfg.head_dim * itemsize
+    kv_heads, head_dim, latent = cache_entry(cfg)
+    page_bytes = (1 if latent else 2) * kv_heads * ps * head_dim * itemsize
     groups = []
     for w in [None] + kinds:
         nlayers = sum(1 for x in windows if x == w)
@@ -99,16 +112,38 @@ def make_layout(cfg: ModelConfig, eng: EngineConfig, k: int, dtype, *,
         groups.append(KVGroup(window=w, num_pages=n + 1, ring_pages=ring))
     return KVLayout(page_size=ps, width=width, groups=tuple(groups),
                     layer_group=tuple(kind_index[w] for w in windows),
-                    kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                    dtype=jnp.dtype(dtype).name)
+                    kv_heads=kv_heads, head_dim=head_dim,
+                    dtype=jnp.dtype(dtype).name, latent=latent)
+
+
+def check_kernels(layout: KVLayout, eng: EngineConfig, cfg: ModelConfig) -> None:
+    """ConfigError, before anything compiles, for a latent (MLA) cache the chosen paged-MLA
+    kernel cannot tile (e.g. a kv_lora_rank off the TPU's 128-lane tiles), with why."""
+    if not layout.latent:
+        return
+    backend = resolve_backend(eng.attention_backend, mla_kernel.BACKEND_ENV_VAR, "paged-MLA")
+    if backend == "reference":
+        return
+    for q_len in sorted({1, eng.prefill_chunk}):
+        block = mla_kernel.default_block_config(eng.max_batch, q_len, cfg.num_heads,
+                                                layout.page_size, layout.width,
+                                                layout.head_dim, layout.dtype, backend)
+        try:
+            mla_kernel.check_tiling(backend, v_dim=cfg.mla.kv_lora_rank,
+                                    head_dim=layout.head_dim, page_size=layout.page_size,
+                                    dtype=layout.dtype, cfg=block)
+        except ValueError as e:
+            raise ConfigError(f"kv_lora_rank={cfg.mla.kv_lora_rank}, qk_rope_head_dim="
+                              f"{cfg.mla.qk_rope_dim}, page_size={layout.page_size}: {e}") from None
 
 
 def init_caches(layout: KVLayout):
-    """Zeroed k/v pages for every layer (tuple of (k, v))."""
+    """Zeroed pages for every layer: (k, v), or (kv,) for a latent layout."""
     out = []
     for gi in layout.layer_group:
         shape = (layout.kv_heads, layout.groups[gi].num_pages, layout.page_size, layout.head_dim)
-        out.append((jnp.zeros(shape, layout.dtype), jnp.zeros(shape, layout.dtype)))
+        out.append(tuple(jnp.zeros(shape, layout.dtype)
+                         for _ in range(layout.arrays_per_layer)))
     return tuple(out)
 
 
@@ -173,43 +208,67 @@ class PagedKV:
 
     def _write(self, pages, k, v, slots):
         dp, tp = self.dp, self.tp
+        latent = v is None
+        new = (k,) if latent else (k, v)
 
-        def write(kp, vp, k, v, slots):
+        def write(*args):
+            n = len(args) // 2
+            pages, rows, slots = args[:n], args[n:2 * n], args[-1]
             if dp is not None:  # every dp replica of the pages takes every slot's rows
-                k, v, slots = (jax.lax.all_gather(x, dp, axis=0, tiled=True)
-                               for x in (k, v, slots))
-            return write_kv(kp, vp, k, v, slots)
+                rows = tuple(jax.lax.all_gather(x, dp, axis=0, tiled=True) for x in rows)
+                slots = jax.lax.all_gather(slots, dp, axis=0, tiled=True)
+            if latent:
+                return write_kv(pages[0], None, rows[0], None, slots)[:1]
+            return write_kv(*pages, *rows, slots)
 
         page = P(tp, None, None, None)
-        rows = P(dp, None, tp, None)
-        fn = shard_kernel(write, self.mesh, (page, page, rows, rows, P(dp, None)), (page, page))
+        row = P(dp, None, tp, None)
+        n = len(new)
+        fn = shard_kernel(write, self.mesh, (page,) * n + (row,) * n + (P(dp, None),),
+                          (page,) * n)
         # Non-finite K/V never enter the cache: a page outlives its request, and a stale
         # NaN seen by a padding row would reach real rows as 0 * NaN. The request that
         # produced it is stopped by the NaN checks on its own hiddens / logits.
-        k, v = (jnp.where(jnp.isfinite(x), x, jnp.zeros_like(x)) for x in (k, v))
-        return fn(*pages, k, v, slots)
+        new = tuple(jnp.where(jnp.isfinite(x), x, jnp.zeros_like(x)) for x in new)
+        return tuple(fn(*pages, *new, slots))
 
-    def _attend(self, q, kp, vp, table, kv_lens, window):
+    def _attend(self, q, pages, table, kv_lens, window, sm_scale, v_dim):
         dp, tp = self.dp, self.tp
+        if self.layout.latent:
+            # One latent row per token serves every head: the pages are replicated over
+            # tp and the query heads split over it.
+            heads = None if self.mesh is None or q.shape[2] % self.mesh.shape["tp"] else "tp"
+
+            def attn(q, kv, table, kv_lens):
+                return mla_kernel.paged_mla(q, kv[0], table, kv_lens, v_dim=v_dim,
+                                            sm_scale=sm_scale, backend=self.backend)
+
+            rows = P(dp, None, heads, None)
+            fn = shard_kernel(attn, self.mesh, (rows, P(None, None, None, None), P(dp, None),
+                                                P(dp)), rows)
+            return fn(q, pages[0], table, kv_lens)
 
         def attn(q, kp, vp, table, kv_lens):
             return paged_attention(q, kp, vp, table, kv_lens, sliding_window=window,
-                                   backend=self.backend)
+                                   sm_scale=sm_scale, backend=self.backend)
 
         page = P(tp, None, None, None)
         rows = P(dp, None, tp, None)
         fn = shard_kernel(attn, self.mesh, (rows, page, page, P(dp, None), P(dp)), rows)
-        return fn(q, kp, vp, table, kv_lens)
+        return fn(q, *pages, table, kv_lens)
 
     def attend(self, positions, kv_lens):
         slots = [slot_mapping(bt, positions, self.layout.page_size, self.limit)
                  for bt in self.block_tables]
 
-        def attend(layer, q, k, v, window):
+        def attend(layer, q, k, v, window, *, sm_scale=None, v_dim=None):
             g = self.layout.layer_group[layer]
-            kp, vp = self._write(self.caches[layer], k, v, slots[g])
-            self.caches[layer] = (kp, vp)
-            return self._attend(q, kp, vp, self.block_tables[g], kv_lens, window)
+            if (v is None) != self.layout.latent:
+                raise ValueError("latent attention needs a latent KV layout, and only it")
+            pages = self._write(self.caches[layer], k, v, slots[g])
+            self.caches[layer] = pages
+            return self._attend(q, pages, self.block_tables[g], kv_lens, window, sm_scale,
+                                v_dim)
 
         return attend
 

@@ -7,7 +7,7 @@ router, routed and shared experts), pre-norm residual around each. The MTP modul
 (mtp.py) build their blocks from the same specs.
 
 Modules hold parameters only, never caches. Attention goes through a backend callable
-`attend(layer, q, k, v, window) -> out` supplied by the caller, so one forward serves
+`attend(layer, q, k, v, window, *, sm_scale, v_dim) -> out` supplied by the caller, so one forward serves
 training (dense causal), the plain reference generator (dense cache) and the engine
 (paged KV); the caller reads any updated cache back from its backend object after the
 forward. Use: split the module once (`nnx.split`), merge inside `jax.jit`.
@@ -32,10 +32,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .config import ModelConfig
+from .config import ModelConfig, yarn_mscale
 from .specs import AttentionSpec, LayerSpec, RopeSpec, rope_spec
 
-Attend = Callable[..., jax.Array]  # attend(layer, q[b,t,n,h], k[b,t,k,h], v[b,t,k,h], window)
+# attend(layer, q[b,t,n,h], k[b,t,k,h], v[b,t,k,h], window, *, sm_scale=None, v_dim=None):
+# sm_scale None is h ** -0.5; v None (latent attention, mla.py) means the values are the
+# first v_dim dims of the keys, cached once.
+Attend = Callable[..., jax.Array]
 
 
 def _param(rngs: nnx.Rngs, shape, dtype, std):
@@ -96,8 +99,12 @@ def _rope_inv_freq(rope: RopeSpec) -> tuple[np.ndarray, float]:
         ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
         extrap = 1 - ramp
         inv = (inv / rs.factor) * (1 - extrap) + inv * extrap
-        scale = rs.attention_factor if rs.attention_factor is not None else (
-            0.1 * math.log(rs.factor) + 1.0 if rs.factor > 1 else 1.0)
+        if rs.attention_factor is not None:
+            scale = rs.attention_factor
+        elif rs.mscale and rs.mscale_all_dim:  # DeepSeek's form (as transformers reads it)
+            scale = yarn_mscale(rs.factor, rs.mscale) / yarn_mscale(rs.factor, rs.mscale_all_dim)
+        else:
+            scale = yarn_mscale(rs.factor)
     return inv.astype(np.float32), float(scale)
 
 
@@ -165,8 +172,14 @@ class Block(nnx.Module):
     def __init__(self, spec: LayerSpec, d: int, *, dtype, rngs: nnx.Rngs):
         norm = dict(eps=spec.rms_norm_eps, offset=spec.norm_offset, dtype=dtype)
         self.input_norm = RMSNorm(d, **norm)
-        self.attn = Attention(spec.attention, d, eps=spec.rms_norm_eps,
-                              offset=spec.norm_offset, dtype=dtype, rngs=rngs)
+        if spec.attention.kind == "mla":
+            from .mla import MLAttention  # mla.py builds on this module's RoPE and norm
+
+            attn_cls = MLAttention
+        else:
+            attn_cls = Attention
+        self.attn = attn_cls(spec.attention, d, eps=spec.rms_norm_eps,
+                             offset=spec.norm_offset, dtype=dtype, rngs=rngs)
         self.post_attn_norm = RMSNorm(d, **norm)
         if spec.is_moe:
             from .moe import MoE  # moe.py builds on this module's MLP
@@ -212,11 +225,14 @@ class Decoder(nnx.Module):
 
 
 # ------------------------------------------------------------ dense attention backends
-def dense_attention(q, k, v, q_pos, k_pos, k_valid, window, sm_scale=None):
+def dense_attention(q, k, v, q_pos, k_pos, k_valid, window, sm_scale=None, v_dim=None):
     """Reference attention on dense keys: q [b,t,n,h], k/v [b,s,k,h], positions per row.
 
     Query at position p sees keys with k_pos <= p (and > p - window), where k_valid.
+    v None: the values are k[..., :v_dim] (latent attention).
     """
+    if v is None:
+        v = k[..., :v_dim]
     b, t, n, h = q.shape
     kh = k.shape[2]
     g = n // kh
@@ -232,21 +248,30 @@ def dense_attention(q, k, v, q_pos, k_pos, k_valid, window, sm_scale=None):
     p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
     p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
     o = jnp.einsum("bkgts,bskh->btkgh", p, v.astype(jnp.float32))
-    return o.reshape(b, t, n, h).astype(q.dtype)
+    return o.reshape(b, t, n, v.shape[-1]).astype(q.dtype)
 
 
 def causal_attend(positions):
     """Backend for a full-sequence forward with no cache (training, tests)."""
     valid = jnp.ones(positions.shape, bool)
 
-    def attend(layer, q, k, v, window):
-        return dense_attention(q, k, v, positions, positions, valid, window)
+    def attend(layer, q, k, v, window, *, sm_scale=None, v_dim=None):
+        return dense_attention(q, k, v, positions, positions, valid, window, sm_scale, v_dim)
 
     return attend
 
 
+def cache_entry(cfg: ModelConfig) -> tuple[int, int, bool]:
+    """(kv heads, dims, latent) of one token's cache entry per layer: GQA caches k and v
+    of (kv_heads, head_dim) each; MLA one latent row of kv_lora_rank + rope dims."""
+    if cfg.mla is not None:
+        return 1, cfg.mla.cache_dim, True
+    return cfg.num_kv_heads, cfg.head_dim, False
+
+
 class DenseCache:
-    """A dense (non-paged) KV cache backend: per layer k/v [b, S, k, h] and lengths.
+    """A dense (non-paged) KV cache backend: per layer (k, v) [b, S, k, h] and lengths,
+    or (kv,) for latent attention.
 
     Used by the plain reference generator. Writes the new keys at their positions, then
     attends over the cache; `caches` holds the updated arrays after the forward.
@@ -257,17 +282,20 @@ class DenseCache:
         self.positions = positions
 
     @staticmethod
-    def init(num_layers, batch, max_len, kv_heads, head_dim, dtype):
-        z = jnp.zeros((batch, max_len, kv_heads, head_dim), dtype)
-        return [(z, z) for _ in range(num_layers)]
+    def init(cfg: ModelConfig, batch, max_len, dtype, num_layers=None):
+        heads, dims, latent = cache_entry(cfg)
+        z = jnp.zeros((batch, max_len, heads, dims), dtype)
+        return [(z,) if latent else (z, z) for _ in range(num_layers or cfg.num_layers)]
 
-    def __call__(self, layer, q, k, v, window):
-        kc, vc = self.caches[layer]
-        b, s = kc.shape[:2]
-        rows = jnp.arange(b)[:, None]
-        kc = kc.at[rows, self.positions].set(k.astype(kc.dtype), mode="drop")
-        vc = vc.at[rows, self.positions].set(v.astype(vc.dtype), mode="drop")
-        self.caches[layer] = (kc, vc)
+    def __call__(self, layer, q, k, v, window, *, sm_scale=None, v_dim=None):
+        rows = jnp.arange(k.shape[0])[:, None]
+        new = (k,) if v is None else (k, v)
+        cache = tuple(c.at[rows, self.positions].set(x.astype(c.dtype), mode="drop")
+                      for c, x in zip(self.caches[layer], new))
+        self.caches[layer] = cache
+        b, s = cache[0].shape[:2]
         k_pos = jnp.broadcast_to(jnp.arange(s), (b, s))
         k_valid = k_pos <= jnp.max(self.positions, axis=1, keepdims=True)
-        return dense_attention(q, kc, vc, self.positions, k_pos, k_valid, window)
+        vc = None if v is None else cache[1]
+        return dense_attention(q, cache[0], vc, self.positions, k_pos, k_valid, window,
+                               sm_scale, v_dim)

@@ -44,8 +44,7 @@ def generate_reference(model, prompt_ids, sampling: SamplingParams, *, max_len: 
     if not 0 < p < max_len:
         raise ValueError(f"prompt length {p} must be in [1, {max_len})")
     pad = 1 << max(4, (p - 1).bit_length())
-    caches = DenseCache.init(cfg.num_layers, 1, max_len, cfg.num_kv_heads, cfg.head_dim,
-                             model.dtype)
+    caches = DenseCache.init(cfg, 1, max_len, model.dtype)
     toks = np.zeros((1, pad), np.int32)
     toks[0, :p] = prompt
     pos = np.arange(pad, dtype=np.int32)[None]

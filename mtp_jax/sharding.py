@@ -14,7 +14,8 @@ o / down contracting the sharded axis with one all-reduce; lm_head by vocabulary
 
 The Pallas kernels cannot be partitioned by XLA, so they run per shard under
 `jax.shard_map` (`shard_kernel`): paged attention and KV writes per kv-head shard (and
-per slot shard over `dp`); the KV pages are sharded by kv head over `tp` and replicated
+per slot shard over `dp`; MLA's one latent row per token is replicated over `tp` and its
+query heads split); the KV pages are sharded by kv head over `tp` and replicated
 over `dp`, each dp shard writing the new KV rows of every slot (all-gathered over `dp`,
 a few KiB per step) so the replicas stay identical. The MoE expert compute runs per shard
 too (moe.py); model code finds the mesh through `use_mesh` / `active_mesh`, set around
@@ -54,6 +55,13 @@ _PARAM_AXES = {
     "experts_down": ("expert", "mlp", "embed"),
     "router": ("embed", None),
     "router_bias": (None,),
+    # MLA (mla.py): heads over tp; the latent projections replicated
+    "q": ("embed", "q_heads", None),
+    "q_a": ("embed", None),
+    "q_b": (None, "q_heads", None),
+    "kv_a": ("embed", None),
+    "w_uk": ("q_heads", None, None),
+    "w_uv": ("q_heads", None, None),
 }
 
 _ACTIVE_MESH: contextvars.ContextVar = contextvars.ContextVar("mtp_jax_mesh", default=None)

@@ -7,6 +7,8 @@ architecture adds a spec kind and a module, not a flag threaded through one `Blo
 - `RopeSpec`: theta, scaling and how many of the head dims rotate (partial RoPE,
   rotate-half convention).
 - `AttentionSpec`: GQA head counts, head dim, QKV bias, q/k norm, sliding window, RoPE.
+- `MLASpec`: multi-head latent attention (DeepSeek-V3): latent dims, softmax scale, RoPE
+  on the rope part of each head (mla.py).
 - `DenseFFN` (SwiGLU of `intermediate_size`) or `MoEConfig` (config.py: router, routed
   and shared experts).
 
@@ -20,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Union
 
-from .config import ModelConfig, MoEConfig, RopeScaling
+from .config import MLAConfig, ModelConfig, MoEConfig, RopeScaling, yarn_mscale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +49,16 @@ class AttentionSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class MLASpec:
+    kind: str  # "mla"
+    num_heads: int
+    mla: MLAConfig
+    rope: RopeSpec
+    sm_scale: float  # qk_head_dim ** -0.5, times yarn's mscale(all_dim) ** 2 (DeepSeek)
+    window: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True)
 class DenseFFN:
     intermediate_size: int
 
@@ -56,7 +68,7 @@ FFNSpec = Union[DenseFFN, MoEConfig]
 
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
-    attention: AttentionSpec
+    attention: Union[AttentionSpec, MLASpec]
     ffn: FFNSpec
     rms_norm_eps: float
     norm_offset: float = 0.0  # 1.0 for zero-centred norms
@@ -70,15 +82,27 @@ def rope_spec(cfg: ModelConfig) -> RopeSpec:
     return RopeSpec(theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim, scaling=cfg.rope_scaling)
 
 
+def mla_spec(cfg: ModelConfig, window=None) -> MLASpec:
+    scale = cfg.mla.qk_head_dim ** -0.5
+    rs = cfg.rope_scaling
+    if rs is not None and rs.kind == "yarn" and rs.mscale_all_dim:
+        scale *= yarn_mscale(rs.factor, rs.mscale_all_dim) ** 2
+    return MLASpec(kind="mla", num_heads=cfg.num_heads, mla=cfg.mla, rope=rope_spec(cfg),
+                   sm_scale=scale, window=window)
+
+
 def layer_spec(cfg: ModelConfig, layer: int) -> LayerSpec:
     if not 0 <= layer < cfg.num_layers_total:
         raise IndexError(f"layer {layer} out of range (0..{cfg.num_layers_total - 1})")
     window = (cfg.sliding_windows[layer] if layer < cfg.num_layers
               else cfg.mtp_sliding_windows[layer - cfg.num_layers])
-    attention = AttentionSpec(kind="gqa", num_heads=cfg.num_heads,
-                              num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                              rope=rope_spec(cfg), window=window,
-                              qkv_bias=cfg.attention_bias, qk_norm=cfg.qk_norm)
+    if cfg.mla is not None:
+        attention = mla_spec(cfg, window)
+    else:
+        attention = AttentionSpec(kind="gqa", num_heads=cfg.num_heads,
+                                  num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                                  rope=rope_spec(cfg), window=window,
+                                  qkv_bias=cfg.attention_bias, qk_norm=cfg.qk_norm)
     moe = cfg.moe
     ffn = moe if moe is not None and moe.is_moe_layer(layer) else DenseFFN(
         cfg.intermediate_size)
@@ -86,5 +110,5 @@ def layer_spec(cfg: ModelConfig, layer: int) -> LayerSpec:
                      norm_offset=cfg.norm_offset)
 
 
-__all__ = ["RopeSpec", "AttentionSpec", "DenseFFN", "FFNSpec", "LayerSpec", "layer_spec",
+__all__ = ["RopeSpec", "AttentionSpec", "MLASpec", "mla_spec", "DenseFFN", "FFNSpec", "LayerSpec", "layer_spec",
            "rope_spec"]

@@ -72,7 +72,8 @@ class DecodeState:
     hist_tokens: jax.Array  # [B, K] int32  carry: MTP input tokens t_{p+1}, p = a-K+1..a
     hist_hidden: jax.Array  # [B, K, D]  carry: target hiddens H_p, same positions
     # paged KV
-    caches: tuple  # per layer (target, then MTP) (k, v) [KVH, pages, page_size, hd]
+    caches: tuple  # per layer (target, then MTP) (k, v) [KVH, pages, page_size, hd], or
+    #                (kv,) [1, pages, page_size, latent + rope] for latent attention (MLA)
     block_tables: tuple  # per KV group [B, width] int32
     # statistics and output
     steps: jax.Array  # [B] int32  target verify forwards
@@ -246,8 +247,7 @@ def admit(s: Static, st: DecodeState, slot, prompt, limit, max_tokens, stop_ids,
     caches = list(st.caches)
     if s.spec.method == "per_step" and s.k > 1:
         for layer in range(s.cfg.num_layers + 1, s.cfg.num_layers + s.k):
-            kp, vp = caches[layer]
-            caches[layer] = (kp.at[:, zero_pages].set(0), vp.at[:, zero_pages].set(0))
+            caches[layer] = tuple(c.at[:, zero_pages].set(0) for c in caches[layer])
     return st.replace(
         active=put(st.active, True), finish=put(st.finish, FINISH_NONE), length=put(st.length, 0),
         num_generated=put(st.num_generated, 0), max_tokens=put(st.max_tokens, max_tokens),

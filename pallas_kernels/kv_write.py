@@ -21,8 +21,16 @@ def write_kv(k_pages, v_pages, k_new, v_new, slots):
   k_new, v_new:     [T, KVH, D] or [B, T, KVH, D]
   slots:            [T] or [B, T] int32; slot >= num_pages * page_size is dropped.
   Slots that repeat within one call write an unspecified one of their rows.
+  v_pages and v_new both None: one array of rows (a latent cache); v_pages comes back None.
   """
   kv_heads, num_pages, page_size, head_dim = k_pages.shape
+  if (v_pages is None) != (v_new is None):
+    raise ValueError("v_pages and v_new must both be given or both be None.")
+  if v_pages is None:
+    v_pages, v_new = k_pages, k_new  # only for the shape checks below; only k is written
+    latent = True
+  else:
+    latent = False
   if v_pages.shape != k_pages.shape:
     raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} differ.")
   if k_new.shape != v_new.shape or k_new.shape[:-2] != slots.shape:
@@ -41,10 +49,12 @@ def write_kv(k_pages, v_pages, k_new, v_new, slots):
   # Negative slots are refused too rather than wrapped.
   slots = jnp.where(slots < 0, DROP_SLOT, slots)
   flat_shape = (kv_heads, num_pages * page_size, head_dim)
-  k_pages = k_pages.reshape(flat_shape).at[:, slots].set(k_rows, mode="drop")
-  v_pages = v_pages.reshape(flat_shape).at[:, slots].set(v_rows, mode="drop")
   shape = (kv_heads, num_pages, page_size, head_dim)
-  return k_pages.reshape(shape), v_pages.reshape(shape)
+  k_pages = k_pages.reshape(flat_shape).at[:, slots].set(k_rows, mode="drop").reshape(shape)
+  if latent:
+    return k_pages, None
+  v_pages = v_pages.reshape(flat_shape).at[:, slots].set(v_rows, mode="drop")
+  return k_pages, v_pages.reshape(shape)
 
 
 def slot_mapping(block_tables, positions, page_size, limit):

@@ -182,7 +182,8 @@ def test_rope_parameters_style_config():
     ({"type": "linear", "factor": 2.0, "short_factor": [1.0]}, "short_factor"),
     ({"type": "yarn", "factor": 4.0}, "original_max_position_embeddings"),
     ({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-      "mscale": 0.707, "mscale_all_dim": 0.707}, "mscale"),
+      "mscale": -1.0, "mscale_all_dim": 0.707}, "mscale"),
+    ({"type": "linear", "factor": 4.0, "mscale_all_dim": 1.0}, "mscale_all_dim"),
     ("linear", "rope_scaling"),
 ])
 def test_bad_rope_scaling_names_the_field(rope_scaling, field):
@@ -195,8 +196,9 @@ def test_bad_rope_scaling_names_the_field(rope_scaling, field):
     ("qwen3_next", {"num_experts": 8}, "num_experts"),
     ("deepseek_v3", {"n_routed_experts": 16}, "n_routed_experts"),
     ("deepseek_v3", {"moe_intermediate_size": 32}, "moe_intermediate_size"),
-    ("deepseek_v3", {"kv_lora_rank": 16}, "kv_lora_rank"),
-    ("deepseek_v3", {"q_lora_rank": 24}, "q_lora_rank"),
+    ("deepseek_v3", {"kv_lora_rank": 16}, "MLA fields.*qk_nope_head_dim"),  # incomplete MLA
+    ("deepseek_v3", {"q_lora_rank": 24}, "q_lora_rank.*kv_lora_rank is not"),
+    ("mimo", {"kv_lora_rank": 16}, "kv_lora_rank"),
     ("qwen3_next", {"attn_output_gate": True}, "attn_output_gate"),
     ("qwen3_next", {"linear_num_value_heads": 4}, "linear_num_value_heads"),
     ("qwen3_next", {"layer_types": ["linear_attention", "full_attention"]}, "linear_attention"),

@@ -1,11 +1,14 @@
-"""GLM-4.5 MoE against HF transformers' own `Glm4MoeForCausalLM` (golden files).
+"""GLM-4.5 MoE and DeepSeek-V3 against HF transformers' own classes (golden files).
 
-tests/golden/make_glm4_moe.py built tiny random GLM-4.5-MoE models with transformers
-5.17's classes, saved them in the hub layout with an MTP layer appended, and recorded
-transformers' float32 logits, final hidden states, greedy tokens and the MTP layer's
-teacher-forced logits (tests/golden/README.md). Here, without torch: our forward against
-those numbers, `generate --method none` against transformers' greedy tokens, the
-speculative methods against `none`, and `evaluate` on the checkpoint.
+tests/golden/make_glm4_moe.py and make_deepseek_v3.py built tiny random models with
+transformers 5.17's `Glm4MoeForCausalLM` / `DeepseekV3ForCausalLM` (MLA with and without
+q_lora_rank, YaRN with mscale, expert groups, shared experts, dense first layers, and an
+FP8 block-scaled twin whose golden comes from its dequantized weights), saved them in
+the hub layout with an MTP layer appended, and recorded transformers' float32 logits,
+final hidden states, greedy tokens and the MTP layer's teacher-forced logits
+(tests/golden/README.md). Here, without torch: our forward against those numbers,
+`generate --method none` against transformers' greedy tokens, the speculative methods
+against `none`, and `evaluate` on the checkpoint.
 """
 
 from __future__ import annotations
@@ -29,11 +32,12 @@ from mtp_jax.model import causal_attend
 from mtp_jax.mtp import forward_train
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
-CASES = ("air", "groups", "shared_head")
+CASES = ("glm4_moe_air", "glm4_moe_groups", "glm4_moe_shared_head", "deepseek_v3_lite",
+         "deepseek_v3_yarn", "deepseek_v3_fp8")
 
 
 def folder(case):
-    return os.path.join(GOLDEN, f"glm4_moe_{case}")
+    return os.path.join(GOLDEN, case)
 
 
 @functools.lru_cache(maxsize=None)
@@ -64,10 +68,17 @@ def forward(case):
 def test_config_and_layout(case):
     model, _ = case_data(case)
     cfg = model.config
-    assert cfg.layout == "glm4_moe" and cfg.moe is not None and cfg.num_mtp_modules == 1
+    assert cfg.moe is not None and cfg.num_mtp_modules == 1
+    if case.startswith("deepseek_v3"):
+        assert cfg.layout == "deepseek_v3" and cfg.mla is not None
+        assert cfg.mtp_own_head and cfg.mtp_own_embed
+        assert (cfg.mla.q_lora_rank is None) == (case == "deepseek_v3_lite")
+        assert (cfg.quantization is not None) == (case == "deepseek_v3_fp8")
+        return
+    assert cfg.layout == "glm4_moe"
     assert cfg.rotary_dim == cfg.head_dim // 2  # GLM's partial RoPE
-    assert cfg.mtp_own_head == cfg.mtp_own_embed == (case != "shared_head")
-    if case == "groups":  # transformers-5 style config: theta inside rope_parameters
+    assert cfg.mtp_own_head == cfg.mtp_own_embed == (case != "glm4_moe_shared_head")
+    if case == "glm4_moe_groups":  # transformers-5 style config: theta in rope_parameters
         assert cfg.rope_theta == 5e4 and cfg.qk_norm and cfg.moe.n_group == 4
 
 
@@ -107,8 +118,10 @@ def test_greedy_tokens_equal_transformers_and_speculation_is_lossless(case):
     want = _cut_at_eos(gold["greedy"], set(model.eos_token_ids))
     prompt = gold["prompt"].tolist()
     other = prompt[::-1][:7]  # a second request in the batch, shorter
-    runs = {"none": 0, "chain": 1, "eagle": 2} if case != "groups" else {"none": 0,
-                                                                         "window": 1}
+    runs = {"glm4_moe_groups": {"none": 0, "window": 1},
+            "deepseek_v3_lite": {"none": 0, "eagle": 2},
+            "deepseek_v3_yarn": {"none": 0, "chain": 1},
+            "deepseek_v3_fp8": {"none": 0}}.get(case, {"none": 0, "chain": 1, "eagle": 2})
     outs = {}
     for method, k in runs.items():
         eng = _engine(model, method, max(k, 1))
@@ -120,27 +133,29 @@ def test_greedy_tokens_equal_transformers_and_speculation_is_lossless(case):
         assert outs[method] == outs["none"], method
 
 
-def test_generate_cli_none_reproduces_transformers_greedy(tmp_path):
+@pytest.mark.parametrize("case", ["glm4_moe_air", "deepseek_v3_fp8"])
+def test_generate_cli_none_reproduces_transformers_greedy(tmp_path, case):
     from mtp_jax.generate import main
 
-    model, gold = case_data("air")
+    model, gold = case_data(case)
     inp = tmp_path / "in.jsonl"
     inp.write_text(json.dumps({"id": "g", "prompt_ids": gold["prompt"].tolist(),
                                "max_tokens": len(gold["greedy"])}) + "\n")
     out = tmp_path / "out.jsonl"
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        rc = main(["--model", folder("air"), "--input", str(inp), "--output", str(out),
+        rc = main(["--model", folder(case), "--input", str(inp), "--output", str(out),
                    "--method", "none", "--max-batch", "1", "--max-model-len", "64"])
     assert rc == 0, err.getvalue()[-2000:]
     rec = json.loads(out.read_text().splitlines()[0])
     assert rec["token_ids"] == _cut_at_eos(gold["greedy"], set(model.eos_token_ids))
 
 
-def test_evaluate_runs_every_method_one_mtp_layer_allows(tmp_path):
+@pytest.mark.parametrize("case", ["glm4_moe_shared_head", "deepseek_v3_lite"])
+def test_evaluate_runs_every_method_one_mtp_layer_allows(tmp_path, case):
     from mtp_jax.evaluate import main
 
-    _, gold = case_data("shared_head")
+    _, gold = case_data(case)
     data = tmp_path / "prompts.jsonl"
     rng = np.random.default_rng(0)
     lines = [{"id": i, "prompt_ids": rng.integers(0, 120, 6 + i).tolist()} for i in range(3)]
@@ -148,7 +163,7 @@ def test_evaluate_runs_every_method_one_mtp_layer_allows(tmp_path):
     report = tmp_path / "eval.json"
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-        rc = main(["--model", folder("shared_head"), "--dataset", str(data), "--methods",
+        rc = main(["--model", folder(case), "--dataset", str(data), "--methods",
                    "chain,window,per_step,eagle", "--num-speculative-tokens", "1",
                    "--max-tokens", "10", "--max-batch", "4", "--output", str(report)])
     assert rc == 0

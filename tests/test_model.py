@@ -439,8 +439,7 @@ def test_cached_decode_equals_full_forward(name, padded_prefill):
     tokens, full, _, _ = target_run(name)
     T, prompt, max_len = tokens.shape[1], 5, 16
     graphdef, params = nnx.split(model)
-    caches = DenseCache.init(cfg.num_layers, 2, max_len, cfg.num_kv_heads, cfg.head_dim,
-                             jnp.float32)
+    caches = DenseCache.init(cfg, 2, max_len, jnp.float32)
     # A padded prefill writes junk KV past the prompt; decoding overwrites it position by
     # position and the causal mask never lets a query see it first.
     width = 8 if padded_prefill else prompt

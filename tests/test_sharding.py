@@ -14,14 +14,14 @@ from mtp_jax.sharding import make_mesh
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_on_8_devices(script: str) -> dict:
+def run_on_8_devices(script: str, *args: str) -> dict:
     """Run tests/scripts/<script> on 8 fake CPU devices; its RESULT line, parsed."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 "
                         "--xla_backend_optimization_level=0 "
                         "--xla_llvm_disable_expensive_passes=true")
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "scripts", script)],
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "scripts", script), *args],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
@@ -83,3 +83,18 @@ def test_moe_sharded_equals_unsharded(moe_result, mesh, spec, shard):
 def test_expert_count_must_divide_the_ep_axis(moe_result):
     assert "n_routed_experts=8" in moe_result["ep3_error"]
     assert "ep=3" in moe_result["ep3_error"]
+
+
+@pytest.fixture(scope="module")
+def deepseek_result():
+    """The golden DeepSeek-V3 (MLA) model over tp / ep meshes."""
+    return run_on_8_devices("moe_sharded_equivalence.py", "deepseek_v3")
+
+
+@pytest.mark.parametrize("mesh", ["tp=2", "ep=2,tp=2,dp=2"])
+def test_mla_model_sharded_equals_unsharded(deepseek_result, mesh):
+    r = deepseek_result["meshes"][mesh]
+    assert r["target_diff"] < 1e-5 and r["mtp_diff"] < 1e-5, r
+    assert all(r["equal"]), r
+    assert r["w_uk_spec"][0] == "tp"  # query heads split, the latent cache replicated
+    assert r["experts_spec"][0] == ("ep" if "ep" in mesh else None) and r["experts_equal"]

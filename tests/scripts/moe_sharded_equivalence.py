@@ -1,5 +1,7 @@
 """Run on 8 fake CPU devices (the test sets XLA_FLAGS): an MoE (GLM-4.5 layout) model with
 experts split over `ep` (and their FFN dim over `tp`) against the same model on one device.
+With the argument `deepseek_v3`: the golden DeepSeek-V3 model (MLA: query heads over `tp`,
+the latent cache replicated; experts over `ep`) instead.
 
 Prints one JSON object: per mesh, the largest logits difference of a full forward (target
 and MTP), whether the engine's greedy outputs equal the plain reference generator's, and
@@ -27,9 +29,14 @@ from mtp_jax.reference import generate_reference  # noqa: E402
 from mtp_jax.sharding import make_mesh, param_sharding, use_mesh  # noqa: E402
 
 assert len(jax.devices()) == 8, jax.devices()
-# 8 experts in 2 groups, a shared expert, a dense first layer, the MTP layer MoE too.
-model = moe_model(vocab_size=64, n_routed_experts=8, moe_intermediate_size=16)
+DEEPSEEK = sys.argv[1:] == ["deepseek_v3"]
+if DEEPSEEK:  # 16 experts in 4 groups, 2 shared, 2 dense layers, 4 MLA heads, YaRN
+    model = load(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "golden",
+                              "deepseek_v3_yarn"), dtype="float32")
+else:  # 8 experts in 2 groups, a shared expert, a dense first layer, the MTP layer MoE too.
+    model = moe_model(vocab_size=64, n_routed_experts=8, moe_intermediate_size=16)
 tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (4, 12)), jnp.int32)
+MOE_LAYER = model.config.moe.first_dense
 
 
 def forward(m, mesh):
@@ -55,12 +62,14 @@ with tempfile.TemporaryDirectory() as folder:
     save_hf(model, folder, dtype="float32", max_shard_bytes=40_000)
     runs = {"ep=2": ("chain", 1), "ep=2,tp=2": ("eagle", 2), "ep=4,dp=2": ("none", 0),
             "tp=2": ("chain", 1)}
+    if DEEPSEEK:
+        runs = {"tp=2": ("chain", 1), "ep=2,tp=2,dp=2": ("eagle", 2)}
     for spec, (method, k) in runs.items():
         mesh = make_mesh(spec)
         loaded = load(folder, shardings=param_sharding(mesh))
         got = forward(loaded, mesh)
         flat = to_flat(loaded.params)
-        gu = flat[("target", "layers", 1, "mlp", "experts_gate_up")]
+        gu = flat[("target", "layers", MOE_LAYER, "mlp", "experts_gate_up")]
         eng = Engine(loaded, SpecConfig(method=method, num_speculative_tokens=max(k, 1)),
                      EngineConfig(max_batch=4, max_model_len=80, page_size=8,
                                   prefill_chunk=16, steps_per_dispatch=5), mesh=mesh)
@@ -75,7 +84,10 @@ with tempfile.TemporaryDirectory() as folder:
             experts_shard_shape=list(gu.addressable_shards[0].data.shape),
             experts_equal=bool(np.array_equal(
                 np.asarray(gu), np.asarray(to_flat(model.params)[
-                    ("target", "layers", 1, "mlp", "experts_gate_up")]))))
+                    ("target", "layers", MOE_LAYER, "mlp", "experts_gate_up")]))))
+        if DEEPSEEK:
+            attn = flat[("target", "layers", 0, "attn", "w_uk")]
+            out["meshes"][spec]["w_uk_spec"] = [x for x in attn.sharding.spec]
     try:
         Engine(model, SpecConfig(method="none"), EngineConfig(max_batch=3, max_model_len=80),
                mesh=make_mesh("ep=3"))
