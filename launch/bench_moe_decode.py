@@ -1,7 +1,19 @@
-"""Decode benchmark of GLM-4.5-Air at its published dimensions, experts split over GPUs.
+"""Decode benchmark of MoE models at their published dimensions: GLM-4.5-Air (whole, experts
+split over GPUs) and DeepSeek-V3 (a slice of its layers on one GPU, extrapolated).
 
   PYTHONPATH=. python launch/bench_moe_decode.py [--mesh tp=2] [--batches 1,8,32]
       [--ctx 4096] [--qs 2,4] [--tiny]
+  PYTHONPATH=. python launch/bench_moe_decode.py --arch deepseek_v3 --slices 1,3 ...
+
+DeepSeek-V3 (deepseek-ai/DeepSeek-V3 config.json): 61 layers (3 dense, 58 MoE), hidden
+7168, MLA with 128 heads (q_lora_rank 1536, kv_lora_rank 512, nope 128 / rope 64 / v 128
+head dims; a token caches 576 values per layer), 256 routed experts of 2048 with top-8 of
+the 4 best of 8 groups and one shared expert, vocabulary 129280, one MTP layer; 671 B
+parameters, 1.34 TB in bf16, so it cannot run whole on one GPU. `--slices 1,3` builds the 3
+dense layers + 3 MoE layers + the MTP layer (bf16, about 100 GB: what fits an H200) and
+times it, then the same weights cut to 3 dense + 1 MoE layer; the difference over the 2
+layers is the cost of one MoE layer, from which every step time is extrapolated to 61
+layers: t61 = t(3 + 3) + 55 * (t(3 + 3) - t(3 + 1)) / 2 (the printed table shows it).
 
 GLM-4.5-Air (zai-org/GLM-4.5-Air config.json): 46 layers (1 dense, 45 MoE), hidden 4096,
 96 query / 8 KV heads of 128, partial RoPE 0.5, QKV bias, 128 routed experts of 1408 with
@@ -53,7 +65,9 @@ from bench_decode import decoding_state, timed  # noqa: E402
 from bench_paged_attention import copy_bandwidth  # noqa: E402
 
 from mtp_jax.checkpoint import Model, abstract_model  # noqa: E402
-from mtp_jax.config import EngineConfig, ModelConfig, MoEConfig, SpecConfig  # noqa: E402
+from mtp_jax.config import (EngineConfig, MLAConfig, ModelConfig, MoEConfig,  # noqa: E402
+                            RopeScaling, SpecConfig)
+from mtp_jax.model import cache_entry  # noqa: E402
 from mtp_jax.drafting import draft  # noqa: E402
 from mtp_jax.kv_cache import PagedKV, make_layout  # noqa: E402
 from mtp_jax.moe import route  # noqa: E402
@@ -72,7 +86,25 @@ TINY = dict(GLM_AIR, vocab_size=512, hidden_size=64, intermediate_size=128, num_
             num_heads=4, num_kv_heads=2, head_dim=16, dtype="float32",
             moe=MoEConfig(num_experts=16, top_k=4, intermediate_size=32, num_shared=1,
                           first_dense=1))
-K = 1  # GLM-4.5 publishes one MTP layer: chain with K = 1
+DEEPSEEK_V3 = dict(
+    layout="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+    num_layers=61, num_heads=128, num_kv_heads=128, head_dim=192, num_mtp_modules=1,
+    rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=163840,
+    rope_scaling=RopeScaling("yarn", 40.0, 4096, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
+                             mscale_all_dim=1.0),
+    mtp_concat_order="embed_first", mtp_output_hidden="pre_norm", mtp_own_head=True,
+    mtp_own_embed=True, dtype="bfloat16",
+    mla=MLAConfig(kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128,
+                  q_lora_rank=1536),
+    moe=MoEConfig(num_experts=256, top_k=8, intermediate_size=2048, num_shared=1,
+                  n_group=8, topk_group=4, routed_scaling_factor=2.5, first_dense=3))
+DEEPSEEK_TINY = dict(DEEPSEEK_V3, vocab_size=512, hidden_size=64, intermediate_size=128,
+                     num_layers=4, num_heads=4, num_kv_heads=4, head_dim=24, dtype="float32",
+                     mla=MLAConfig(kv_lora_rank=16, qk_nope_dim=16, qk_rope_dim=8,
+                                   v_head_dim=16, q_lora_rank=32),
+                     moe=MoEConfig(num_experts=16, top_k=4, intermediate_size=32, num_shared=1,
+                                   n_group=4, topk_group=2, first_dense=1))
+K = 1  # GLM-4.5 and DeepSeek-V3 publish one MTP layer: chain with K = 1
 
 
 def log(*a):
@@ -138,12 +170,14 @@ def _maker(kind, shape, dtype, sharding, fan_in):
 def byte_counts(model: Model):
     """Bytes one GPU (device 0) reads of: the target's non-expert weights (no embedding
     table), one expert of one layer, the MTP layer's non-expert weights + its head."""
+    cfg = model.config
+    first_moe = next(i for i in range(cfg.num_layers) if cfg.layer_spec(i).is_moe)
     dense, mtp, expert = 0, 0, 0
     for path, var in model.params.flat_state():
         path, arr = tuple(path), var.get_value()
         nbytes = arr.addressable_shards[0].data.nbytes  # this GPU's piece
         if path[-1] in ("experts_gate_up", "experts_down"):
-            if path[:3] == ("target", "layers", 1):
+            if path[:3] == ("target", "layers", first_moe):
                 expert += nbytes // arr.addressable_shards[0].data.shape[0]
         elif path[-1] == "embed":
             continue
@@ -274,8 +308,10 @@ def bench_batch(model, b, ctx, steps, qs, dtype, mesh, acceptance, bw, sizes):
     # experts its shard holds, its KV heads); the step waits for the busiest GPU.
     ep, tp = axis_size(mesh, "ep"), axis_size(mesh, "tp")
     moe_layers = sum(cfg.layer_spec(i).is_moe for i in range(cfg.num_layers))
-    kv_heads = cfg.num_kv_heads // tp if cfg.num_kv_heads % tp == 0 else cfg.num_kv_heads
-    kv_tok = cfg.num_layers * 2 * kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+    heads, dims, latent = cache_entry(cfg)  # a latent row is replicated over tp
+    kv_heads = heads // tp if heads % tp == 0 and not latent else heads
+    kv_tok = cfg.num_layers * (1 if latent else 2) * kv_heads * dims * jnp.dtype(
+        dtype).itemsize
 
     def step_bytes(n_tokens):
         distinct, busiest = distinct_experts(model, n_tokens, ep)
@@ -304,8 +340,51 @@ def bench_batch(model, b, ctx, steps, qs, dtype, mesh, acceptance, bw, sizes):
     return row
 
 
+def sub_model(model: Model, num_layers: int) -> Model:
+    """The same weights cut to the first `num_layers` target layers (plus the MTP layer,
+    which keeps its spec: MoE either way); no array is copied."""
+    cfg = dataclasses.replace(model.config, num_layers=num_layers,
+                              sliding_windows=model.config.sliding_windows[:num_layers])
+    graphdef, state = nnx.split(abstract_model(cfg, model.dtype))
+    flat = {tuple(p): v for p, v in model.params.flat_state()}
+    for path, var in state.flat_state():
+        var.set_value(flat[tuple(path)].get_value())
+    return Model(cfg, graphdef, state)
+
+
+TIMES = ("none_step_ms", "chain_step_ms", "draft_ms")
+
+
+def extrapolate(lo: dict, hi: dict, layers: int, qs) -> dict:
+    """Step times and bytes at `layers` layers from two slices that differ only in their
+    number of MoE layers (linear in the layer count; the draft does not change)."""
+    n_lo, n_hi = lo["layers"], hi["layers"]
+    out = dict(batch=hi["batch"], ctx=hi["ctx"], layers=layers, extrapolated=True)
+    keys = ("none_step_ms", "chain_step_ms") + tuple(f"verify{q}_ms" for q in qs) + (
+        "plain_limit_ms",)
+    for k in keys:
+        per_layer = (hi[k] - lo[k]) / (n_hi - n_lo)
+        out[k] = hi[k] + (layers - n_hi) * per_layer
+        out[k.replace("_ms", "_per_moe_layer_ms")] = per_layer
+    out["draft_ms"], out["draft_limit_ms"] = hi["draft_ms"], hi["draft_limit_ms"]
+    out["draft_pct_of_limit"] = hi["draft_pct_of_limit"]
+    out["distinct_experts"] = hi["distinct_experts"]
+    out["plain_pct_of_limit"] = out["plain_limit_ms"] / out["none_step_ms"] * 100
+    for q in qs:
+        out[f"verify{q}_ratio"] = out[f"verify{q}_ms"] / out["none_step_ms"]
+        out[f"verify{q}_expert_ratio"] = hi[f"verify{q}_expert_ratio"]
+    out["chain_vs_plain"] = out["chain_step_ms"] / out["none_step_ms"]
+    if "projected_speedup" in hi:
+        a1 = hi["projected_speedup"] * hi["chain_step_ms"] / hi["none_step_ms"] - 1
+        out["projected_speedup"] = (1 + a1) * out["none_step_ms"] / out["chain_step_ms"]
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", default="glm45_air", choices=("glm45_air", "deepseek_v3"))
+    ap.add_argument("--slices", default="1,3",
+                    help="deepseek_v3: MoE layer counts of the slices timed (two or more)")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--qs", default="2,4", help="verify widths K+1 to time")
@@ -314,7 +393,14 @@ def main(argv=None):
     ap.add_argument("--acceptance", default="checkpoints/acceptance_bf16.json")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke run)")
     args = ap.parse_args(argv)
-    cfg = ModelConfig(**(TINY if args.tiny else GLM_AIR))
+    slices = sorted(int(x) for x in args.slices.split(","))
+    if args.arch == "deepseek_v3":
+        base = DEEPSEEK_TINY if args.tiny else DEEPSEEK_V3
+        full_layers = base["num_layers"]
+        dense = base["moe"].first_dense
+        cfg = ModelConfig(**dict(base, num_layers=dense + slices[-1]))
+    else:
+        cfg = ModelConfig(**(TINY if args.tiny else GLM_AIR))
     dtype = jnp.dtype(cfg.dtype)
     acceptance = None
     if os.path.exists(args.acceptance):
@@ -334,23 +420,38 @@ def main(argv=None):
         f"MB, MTP non-expert {sizes[2] / 1e9:.2f} GB; ep={axis_size(mesh, 'ep')} "
         f"tp={axis_size(mesh, 'tp')}")
     out = os.environ.get("OUT")
+    qs = [int(q) for q in args.qs.split(",")]
+    models = [model] if args.arch != "deepseek_v3" else [
+        model if m == slices[-1] else sub_model(model, dense + m) for m in slices]
     rows = []
     for b in [int(x) for x in args.batches.split(",")]:
-        row = bench_batch(model, b, args.ctx, args.steps, [int(q) for q in args.qs.split(",")],
-                          dtype, mesh, acceptance, best_bw, sizes)
-        rows.append(row)
-        log(json.dumps(row))
-        if out:
-            with open(os.path.join(out, "bench_moe_decode.jsonl"), "a") as f:
-                f.write(json.dumps(dict(row, copy_bandwidth=bw, jax=jax.__version__,
-                                        device=jax.devices()[0].device_kind)) + "\n")
-    qs = [int(q) for q in args.qs.split(",")]
-    md = ("| B | plain ms (limit, %) | distinct experts | " + " | ".join(
+        per_slice = []
+        for mdl in models:
+            row = bench_batch(mdl, b, args.ctx, args.steps, qs, dtype, mesh, acceptance,
+                              best_bw, byte_counts(mdl))
+            row["layers"] = mdl.config.num_layers
+            per_slice.append(row)
+            log(json.dumps(row))
+            if out:
+                with open(os.path.join(out, "bench_moe_decode.jsonl"), "a") as f:
+                    f.write(json.dumps(dict(row, arch=args.arch, copy_bandwidth=bw,
+                                            jax=jax.__version__,
+                                            device=jax.devices()[0].device_kind)) + "\n")
+        rows += per_slice
+        if len(per_slice) > 1:
+            ext = extrapolate(per_slice[0], per_slice[-1], full_layers, qs)
+            rows.append(ext)
+            log("extrapolated " + json.dumps(ext))
+            if out:
+                with open(os.path.join(out, "bench_moe_decode.jsonl"), "a") as f:
+                    f.write(json.dumps(dict(ext, arch=args.arch)) + "\n")
+    md = ("| B | layers | plain ms (limit, %) | distinct experts | " + " | ".join(
         f"verify({q}) / plain (expert ratio)" for q in qs) +
-        " | draft ms (limit, %) | chain step ms | projected x |\n|" + "---|" * (6 + len(qs))
+        " | draft ms (limit, %) | chain step ms | projected x |\n|" + "---|" * (7 + len(qs))
         + "\n")
     for r in rows:
-        md += (f"| {r['batch']} | {r['none_step_ms']:.2f} ({r['plain_limit_ms']:.2f}, "
+        layers = f"{r.get('layers', cfg.num_layers)}{' (extrapolated)' if r.get('extrapolated') else ''}"
+        md += (f"| {r['batch']} | {layers} | {r['none_step_ms']:.2f} ({r['plain_limit_ms']:.2f}, "
                f"{r['plain_pct_of_limit']:.0f} %) | {r['distinct_experts']:.1f} | " +
                " | ".join(f"{r[f'verify{q}_ratio']:.2f} ({r[f'verify{q}_expert_ratio']:.2f})"
                           for q in qs) +
@@ -360,7 +461,7 @@ def main(argv=None):
     log("\n" + md)
     if out:
         with open(os.path.join(out, "bench_moe_decode.md"), "a") as f:
-            f.write(f"mesh {args.mesh}, ctx {args.ctx}\n\n" + md + "\n")
+            f.write(f"{args.arch}, mesh {args.mesh}, ctx {args.ctx}\n\n" + md + "\n")
 
 
 if __name__ == "__main__":
