@@ -47,50 +47,48 @@ Re-run (from the repository root, with a Python that has torch + transformers)::
 Generated with transformers 5.17.0, torch 2.13.0 (CPU), safetensors 0.8.0, numpy 2.4.6.  The
 consumers of the fixtures need only numpy + safetensors (plus a float8_e4m3fn decoder, e.g.
 ``ml_dtypes``, for the fp8 case).
+
+What this script shares with make_glm4_moe.py (weight drawing, the MTP layer, the recorded runs
+and tie checks, writing and reloading a folder) is in ``_golden_common.py`` next to it.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import re
-import shutil
 import sys
-import tempfile
 
-import numpy as np
 import torch
 from torch import nn
 
 import transformers
-from safetensors.torch import save_file
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, GenerationConfig
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.masking_utils import create_causal_mask
-from transformers.modeling_layers import MtpModel
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3DecoderLayer,
     DeepseekV3RMSNorm,
-    DeepseekV3RotaryEmbedding,
     DeepseekV3TopkRouter,
 )
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from make_glm4_moe import (  # noqa: E402  (shared with the GLM-4.5 fixtures)
-    EXPECTED_VERSIONS,
-    G_NEW,
-    LOGIT_MARGIN,
-    MAX_TRIES,
-    ROUTER_MARGIN,
-    T_PROMPT,
+from _golden_common import (  # noqa: E402  (shared with the GLM-4.5 fixtures)
     GoldenCheckFailed,
-    RouterMonitor,
-    fused_to_hub,
+    MtpWeights,
+    checked_hub_tensors,
+    draw_case,
+    draw_prompt,
+    hf_mtp_max_abs_diff,
     load_safetensors,
+    new_model,
+    parse_args_and_setup,
     randomize_,
-    save_npz_deterministic,
-    top2_gap,
+    record_golden,
+    reload_target,
+    write_cases,
+    write_fixture_folder,
+    write_model_files,
 )
 
 BOS_ID, EOS_ID = 0, 1  # as in the published DeepSeek-V3 config.json; prompts avoid both
@@ -369,61 +367,6 @@ def fp8_roundtrip_(module: nn.Module, prefix: str) -> dict[str, tuple[torch.Tens
 
 
 # ----------------------------------------------------------------------------
-# MTP layer
-# ----------------------------------------------------------------------------
-
-
-class MtpWeights(nn.Module):
-    """Holder for the appended MTP layer's weights, in transformers' own module classes."""
-
-    def __init__(self, config: DeepseekV3Config):
-        super().__init__()
-        d = config.hidden_size
-        self.enorm = DeepseekV3RMSNorm(d, eps=config.rms_norm_eps)
-        self.hnorm = DeepseekV3RMSNorm(d, eps=config.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * d, d, bias=False)
-        self.layer = DeepseekV3DecoderLayer(config, layer_idx=config.num_hidden_layers)
-        self.shared_head_norm = DeepseekV3RMSNorm(d, eps=config.rms_norm_eps)
-        self.embed_tokens = nn.Embedding(config.vocab_size, d)
-        self.shared_head_head = nn.Linear(d, config.vocab_size, bias=False)
-
-    def hub_tensors(self, num_hidden_layers: int) -> dict[str, torch.Tensor]:
-        p = f"model.layers.{num_hidden_layers}."
-        out = {
-            p + "enorm.weight": self.enorm.weight,
-            p + "hnorm.weight": self.hnorm.weight,
-            p + "eh_proj.weight": self.eh_proj.weight,
-            p + "shared_head.norm.weight": self.shared_head_norm.weight,
-            p + "embed_tokens.weight": self.embed_tokens.weight,
-            p + "shared_head.head.weight": self.shared_head_head.weight,
-        }
-        out = {k: v.detach().clone().contiguous() for k, v in out.items()}
-        out.update(fused_to_hub(self.layer.state_dict(), p))
-        return out
-
-
-@torch.no_grad()
-def run_mtp(model, mtp: MtpWeights, prompt, hidden, zero_first: bool = True):
-    """Teacher-forced MTP over anchors i = 0..T-2 (only the concat / projection wiring is hand-written)."""
-    config = model.config
-    t = prompt.shape[0]
-    e = mtp.embed_tokens(prompt[1:])  # token i+1 for anchor i
-    anchor_pos = torch.arange(t - 1)
-    if zero_first:
-        e = torch.where((anchor_pos == 0)[:, None], torch.zeros_like(e), e)  # zeroed at anchor position 0
-    h = hidden[: t - 1]
-    x = mtp.eh_proj(torch.cat([mtp.enorm(e), mtp.hnorm(h)], dim=-1))[None]
-    position_ids = anchor_pos[None]
-    position_embeddings = DeepseekV3RotaryEmbedding(config)(x, position_ids)
-    mask = create_causal_mask(
-        config=config, inputs_embeds=x, attention_mask=None, past_key_values=None, position_ids=position_ids
-    )
-    y = mtp.layer(x, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings)
-    logits = mtp.shared_head_head(mtp.shared_head_norm(y))
-    return e, y[0], logits[0]
-
-
-# ----------------------------------------------------------------------------
 # hand-written MLA, following tests/golden/README.md
 # ----------------------------------------------------------------------------
 
@@ -523,19 +466,11 @@ def check_documented_attention(model, case: dict, prompt: torch.Tensor) -> float
 @torch.no_grad()
 def build_case(name: str, case: dict, seed: int, workdir: str):
     """One draw of a case. Returns (model, mtp, config dict, tensors, fp8 pairs, arrays, stats)."""
-    torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
     config = make_config(case)
-    model = DeepseekV3ForCausalLM(config)
-    model.set_attn_implementation("eager")
-    model.set_experts_implementation("eager")
-    model.eval()
-    assert model.config._attn_implementation == "eager"
-    assert model.config._experts_implementation == "eager"
+    model, gen = new_model(DeepseekV3ForCausalLM, config, seed)
     assert model.config.rope_interleave is True
-    randomize_(model, gen)
 
-    mtp = MtpWeights(model.config)
+    mtp = MtpWeights(model.config, DeepseekV3RMSNorm, DeepseekV3DecoderLayer, own_embed_and_head=True)
     randomize_(mtp, gen)
     mtp.eval()
     n_layers = config.num_hidden_layers
@@ -551,104 +486,22 @@ def build_case(name: str, case: dict, seed: int, workdir: str):
         fp8_pairs.update(fp8_roundtrip_(model, ""))
         fp8_pairs.update(fp8_roundtrip_(mtp.layer, f"model.layers.{n_layers}."))
 
-    pgen = torch.Generator().manual_seed(seed + 7919)
-    prompt = torch.randint(EOS_ID + 1, case["vocab_size"], (T_PROMPT,), generator=pgen, dtype=torch.int64)
+    prompt = draw_prompt(seed, EOS_ID + 1, case["vocab_size"])
 
     attn_diff = check_documented_attention(model, case, prompt)
 
-    monitor = RouterMonitor()
-    handles = [m.register_forward_hook(monitor) for m in list(model.modules()) + list(mtp.modules())
-               if isinstance(m, DeepseekV3TopkRouter)]
-
-    # 1. full forward, no cache
-    captured = {}
-    h_norm = model.model.norm.register_forward_hook(lambda m, a, o: captured.__setitem__("prenorm", a[0]))
-    out = model(prompt[None], use_cache=False, output_hidden_states=True)
-    h_norm.remove()
-    logits = out.logits[0]
-    hidden = out.hidden_states[-1][0]
-    assert len(out.hidden_states) == n_layers + 1
-    assert torch.equal(hidden, model.model.norm(captured["prenorm"])[0]), "hidden_states[-1] is not post-norm"
-    assert not torch.allclose(hidden, captured["prenorm"][0])
-
-    # 2. greedy generation (cache on, no early stop)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = EOS_ID
-    gcfg = GenerationConfig(
-        do_sample=False,
-        max_new_tokens=G_NEW,
-        min_new_tokens=G_NEW,
-        eos_token_id=None,
-        pad_token_id=EOS_ID,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    gout = model.generate(prompt[None], generation_config=gcfg)
-    greedy = gout.sequences[0, T_PROMPT:]
-    assert greedy.shape[0] == G_NEW
-    greedy_logits = torch.cat([s for s in gout.logits], dim=0)  # [G, V], raw (unprocessed) logits
-    assert torch.equal(greedy_logits.argmax(-1), greedy)
-
-    # same tokens when recomputed without a cache
-    ids = prompt.clone()
-    for g in range(G_NEW):
-        step = model(ids[None], use_cache=False).logits[0, -1]
-        if int(step.argmax()) != int(greedy[g]):
-            raise GoldenCheckFailed(f"no-cache greedy differs at step {g}")
-        ids = torch.cat([ids, step.argmax()[None]])
-
-    # 3. teacher-forced MTP
-    _, mtp_y, mtp_logits = run_mtp(model, mtp, prompt, hidden)
-    # same without zeroing the anchor-0 embedding (what transformers' own generate(use_mtp=True) feeds)
-    _, _, mtp_logits_nozero = run_mtp(model, mtp, prompt, hidden, zero_first=False)
-    for hnd in handles:
-        hnd.remove()
-
-    # ---- tie checks ----
-    expected_router_calls = (n_layers - config.first_k_dense_replace) * (1 + G_NEW + G_NEW) + 2
-    assert monitor.calls == expected_router_calls, (monitor.calls, expected_router_calls)
-    gap_greedy = float(top2_gap(greedy_logits).min())
-    gap_mtp = float(torch.minimum(top2_gap(mtp_logits), top2_gap(mtp_logits_nozero)).min())
-    if monitor.min_margin <= ROUTER_MARGIN:
-        raise GoldenCheckFailed(f"router margin {monitor.min_margin:.2e}")
-    if gap_greedy <= LOGIT_MARGIN:
-        raise GoldenCheckFailed(f"greedy top-2 gap {gap_greedy:.2e}")
-    if gap_mtp <= LOGIT_MARGIN:
-        raise GoldenCheckFailed(f"mtp top-2 gap {gap_mtp:.2e}")
-    if any(int(t) in (BOS_ID, EOS_ID) for t in greedy):
+    arrays, stats = record_golden(model, mtp, mtp.embed_tokens, mtp.shared_head_head, prompt, EOS_ID,
+                                  DeepseekV3TopkRouter, seed)
+    if any(int(t) in (BOS_ID, EOS_ID) for t in arrays["greedy"]):
         raise GoldenCheckFailed("greedy output contains the bos / eos id")
 
-    # ---- files ----
-    target = fused_to_hub(model.state_dict(), "")
-    # the hand-written split must equal what transformers' save_pretrained writes for the target
-    sp_dir = os.path.join(workdir, f"{name}_save_pretrained")
-    model.save_pretrained(sp_dir)
-    saved = load_safetensors(os.path.join(sp_dir, "model.safetensors"))
-    assert sorted(saved) == sorted(target), sorted(set(saved) ^ set(target))
-    for k in saved:
-        assert saved[k].dtype == torch.float32 and torch.equal(saved[k], target[k]), k
-    mtp_tensors = mtp.hub_tensors(n_layers)
-    assert mtp_tensors.keys().isdisjoint(target.keys())
-    tensors = {**target, **mtp_tensors}  # float32 (dequantized in the fp8 case)
+    tensors, _ = checked_hub_tensors(model, mtp, workdir, name)  # float32 (dequantized in the fp8 case)
     if case["fp8"]:
         assert sorted(fp8_pairs) == sorted(k for k in tensors if FP8_WEIGHT_RE.match(k)), "fp8 coverage"
         for k, (q, s) in fp8_pairs.items():
             assert torch.equal(fp8_dequantize(q, s), tensors[k]), k
 
-    arrays = {
-        "prompt": prompt.numpy().astype(np.int64),
-        "logits": logits.numpy().astype(np.float32),
-        "greedy": greedy.numpy().astype(np.int64),
-        "greedy_logits": greedy_logits.numpy().astype(np.float32),
-        "hidden": hidden.numpy().astype(np.float32),
-        "hidden_prenorm": captured["prenorm"][0].numpy().astype(np.float32),
-        "mtp_logits": mtp_logits.numpy().astype(np.float32),
-        "mtp_y": mtp_y.numpy().astype(np.float32),
-        "mtp_logits_nozero": mtp_logits_nozero.numpy().astype(np.float32),
-        "seed": np.array(seed, dtype=np.int64),
-    }
-    stats = dict(router_margin=monitor.min_margin, greedy_gap=gap_greedy, mtp_gap=gap_mtp,
-                 documented_attention_max_abs_diff=attn_diff)
+    stats["documented_attention_max_abs_diff"] = attn_diff
     return model, mtp, hub_config_json(case), tensors, fp8_pairs, arrays, stats
 
 
@@ -697,134 +550,45 @@ def verify_fp8_file(folder: str, tensors: dict[str, torch.Tensor]) -> dict[str, 
 @torch.no_grad()
 def verify_folder(folder: str, model, mtp: MtpWeights, case: dict, arrays: dict) -> float:
     """Reload a float32 folder with transformers' own loaders and compare."""
-    prompt = torch.from_numpy(arrays["prompt"])
-    n_layers = case["num_hidden_layers"]
-    m2, info = DeepseekV3ForCausalLM.from_pretrained(
-        folder, attn_implementation="eager", experts_implementation="eager", dtype=torch.float32,
-        output_loading_info=True,
-    )
-    m2.eval()
-    assert not info["missing_keys"], info["missing_keys"]
-    assert all(k.startswith(f"model.layers.{n_layers}.") for k in info["unexpected_keys"]), info["unexpected_keys"]
+    m2 = reload_target(DeepseekV3ForCausalLM, folder, model, arrays)
     rp = m2.config.rope_parameters
     for key, value in rope_parameters(case).items():
         assert rp[key] == value, (key, rp)
-    assert m2.config.rope_interleave is True and m2.config.num_nextn_predict_layers == 1
+    assert m2.config.rope_interleave is True
     assert m2.config.q_lora_rank == case["q_lora_rank"]
-    sd1, sd2 = model.state_dict(), m2.state_dict()
-    assert sorted(sd1) == sorted(sd2)
-    for k in sd1:
-        assert torch.equal(sd1[k], sd2[k]), k
-    out = m2(prompt[None], use_cache=False, output_hidden_states=True)
-    assert np.array_equal(out.logits[0].numpy(), arrays["logits"])
-    assert np.array_equal(out.hidden_states[-1][0].numpy(), arrays["hidden"])
     assert model.model.layers[0].self_attn.scaling == m2.model.layers[0].self_attn.scaling
     assert model.model.rotary_emb.attention_scaling == m2.model.rotary_emb.attention_scaling
-
-    # MTP layer through transformers' own MtpModel loader (hub names -> MtpLayer incl. fused experts)
-    m2._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{n_layers}\..*"]
-    hf_mtp = MtpModel.from_pretrained(m2)
-    hf_mtp.set_attn_implementation("eager")
-    hf_mtp.set_experts_implementation("eager")
-    hf_mtp.eval()
-    layer = hf_mtp.layers[0]
-    assert isinstance(layer.mtp_block, DeepseekV3DecoderLayer)
-    for mine, theirs in [
-        (mtp.enorm.weight, layer.enorm.weight),
-        (mtp.hnorm.weight, layer.hnorm.weight),
-        (mtp.eh_proj.weight, layer.eh_proj.weight),
-        (mtp.shared_head_norm.weight, layer.post_norm.weight),
-    ]:
-        assert torch.equal(mine, theirs)
-    sd_mine, sd_theirs = mtp.layer.state_dict(), layer.mtp_block.state_dict()
-    assert sorted(sd_mine) == sorted(sd_theirs)
-    for k in sd_mine:
-        assert torch.equal(sd_mine[k], sd_theirs[k]), k
-    # HF's MtpModel always takes embedding / head from the main model; use the file's own ones
+    # the MTP layer's own embedding / head, copies of the target's or not as the case says
     tensors = load_safetensors(os.path.join(folder, "model.safetensors"))
-    p = f"model.layers.{n_layers}."
+    p = f"model.layers.{case['num_hidden_layers']}."
     embed_w, head_w = tensors[p + "embed_tokens.weight"], tensors[p + "shared_head.head.weight"]
     same = case["mtp_embed_head"] == "copy"
     assert torch.equal(embed_w, tensors["model.embed_tokens.weight"]) == same
     assert torch.equal(head_w, tensors["lm_head.weight"]) == same
-    t = prompt.shape[0]
-    e = nn.functional.embedding(prompt[1:], embed_w)
-    e[0] = 0.0
-    hidden = torch.from_numpy(arrays["hidden"])[: t - 1]
-    pos = torch.arange(t - 1)[None]
-    pe = hf_mtp.rotary_emb(e[None], position_ids=pos)
-    mask = create_causal_mask(
-        config=hf_mtp.config, inputs_embeds=e[None], attention_mask=None, past_key_values=None, position_ids=pos
-    )
-    y_normed = layer(e[None], hidden[None], position_embeddings=pe, attention_mask=mask, position_ids=pos,
-                     past_key_values=None)
-    hf_logits = nn.functional.linear(y_normed[0], head_w)
-    diff = float((hf_logits - torch.from_numpy(arrays["mtp_logits"])).abs().max())
-    assert diff <= 1e-5, f"MtpModel reproduction differs by {diff}"
-    return diff
-
-
-def write_json(path: str, obj: dict) -> None:
-    with open(path, "w") as fh:
-        json.dump(obj, fh, indent=2)
-        fh.write("\n")
+    return hf_mtp_max_abs_diff(m2, mtp, DeepseekV3DecoderLayer, arrays, embed_w, head_w)
 
 
 def write_case(out_dir: str, name: str, case: dict, workdir: str) -> dict:
-    last_err = None
-    for attempt in range(MAX_TRIES):
-        seed = case["seed"] + attempt
-        try:
-            model, mtp, config_json, tensors, fp8_pairs, arrays, stats = build_case(name, case, seed, workdir)
-            break
-        except GoldenCheckFailed as err:
-            last_err = err
-    else:
-        raise RuntimeError(f"{name}: no seed passed the tie checks ({last_err})")
+    (model, mtp, config_json, tensors, fp8_pairs, arrays, stats), seed, tries = draw_case(
+        build_case, name, case, workdir)
     folder = os.path.join(out_dir, f"deepseek_v3_{name}")
-    if os.path.isdir(folder):
-        shutil.rmtree(folder)
-    os.makedirs(folder)
-    write_json(os.path.join(folder, "config.json"), config_json)
-    stored = file_tensors(tensors, fp8_pairs)
-    save_file({k: stored[k] for k in sorted(stored)}, os.path.join(folder, "model.safetensors"),
-              metadata={"format": "pt"})
-    save_npz_deterministic(os.path.join(folder, "golden.npz"), arrays)
+    write_fixture_folder(folder, config_json, file_tensors(tensors, fp8_pairs), arrays)
     if case["fp8"]:
         stats.update(verify_fp8_file(folder, tensors))
         # transformers' loaders on a float32 copy (dequantized weights, no quantization_config)
         f32 = os.path.join(workdir, f"{name}_dequantized")
         os.makedirs(f32, exist_ok=True)
-        write_json(os.path.join(f32, "config.json"),
-                   {k: v for k, v in config_json.items() if k != "quantization_config"})
-        save_file({k: tensors[k] for k in sorted(tensors)}, os.path.join(f32, "model.safetensors"),
-                  metadata={"format": "pt"})
+        write_model_files(f32, {k: v for k, v in config_json.items() if k != "quantization_config"}, tensors)
         stats["hf_mtp_model_max_abs_diff"] = verify_folder(f32, model, mtp, case, arrays)
     else:
         stats["hf_mtp_model_max_abs_diff"] = verify_folder(folder, model, mtp, case, arrays)
-    stats.update(seed=seed, tries=attempt + 1)
+    stats.update(seed=seed, tries=tries)
     return stats
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)),
-                        help="output directory (default: the directory of this script)")
-    parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
-    args = parser.parse_args()
-
-    versions = {"transformers": transformers.__version__, "torch": torch.__version__.split("+")[0]}
-    if versions != EXPECTED_VERSIONS:
-        print(f"warning: fixtures were generated with {EXPECTED_VERSIONS}, running {versions}")
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    os.makedirs(args.out, exist_ok=True)
-    with tempfile.TemporaryDirectory() as workdir:
-        for name in args.cases:
-            stats = write_case(args.out, name, CASES[name], workdir)
-            print(f"deepseek_v3_{name}: {stats}")
+    args = parse_args_and_setup(__doc__.split("\n")[0], CASES)
+    write_cases(args, CASES, write_case, "deepseek_v3_")
 
 
 if __name__ == "__main__":
