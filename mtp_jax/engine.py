@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import compile_cache
 from .config import ConfigError, EngineConfig, SamplingParams, SpecConfig
 from .kv_cache import PageAllocator, check_kernels, make_layout
 from .sampling import split_seed
@@ -83,6 +84,7 @@ class Engine:
     def __init__(self, model, spec: SpecConfig = SpecConfig(), config: Optional[EngineConfig] = None,
                  *, mesh=None, **overrides):
         spec.validate_for(model.config)
+        compile_cache.enable()  # warm starts; $MTP_JAX_COMPILE_CACHE=off disables
         eng = dataclasses.replace(config or EngineConfig(), **overrides)
         if mesh is not None:
             check_mesh(model.config, mesh)

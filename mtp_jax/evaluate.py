@@ -34,7 +34,9 @@ from typing import Optional
 
 import numpy as np
 
+from . import compile_cache
 from .checkpoint import CheckpointError, load
+from .compile_cache import add_compile_cache_option
 from .config import ConfigError, EngineConfig, SamplingParams, SpecConfig
 from .generate import Fatal, LineError, build_request, default_model_dir, read_lines
 
@@ -309,6 +311,7 @@ def parse_args(argv):
                         "prompts in one jitted pass per batch, without generating")
     p.add_argument("--output", help="write the JSON report here")
     p.add_argument("--plot", help="write a PNG plot here")
+    add_compile_cache_option(p)
     args = p.parse_args(argv)
     args.methods = tuple(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip()))
     bad = [m for m in args.methods if m not in DRAFT_METHODS]
@@ -414,6 +417,8 @@ def evaluate(args, log) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    compile_cache.enable(args.compile_cache)
+    cache = compile_cache.CacheStats()
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
@@ -423,6 +428,8 @@ def main(argv=None) -> int:
     except Fatal as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    log(str(cache))
+    report["compile_cache"] = {"hits": cache.hits, "misses": cache.misses}
     if "teacher_forced" in report:
         print(format_tf_table(report["teacher_forced"]))
     else:

@@ -27,7 +27,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from . import compile_cache
 from .checkpoint import CheckpointError, load
+from .compile_cache import add_compile_cache_option
 from .config import METHODS, ConfigError, EngineConfig, SamplingParams, SpecConfig
 from .engine import Engine, Request
 from .sharding import make_mesh, param_sharding
@@ -110,8 +112,9 @@ def build_request(obj, tokenizer, defaults: SamplingParams):
     return ids, sp
 
 
-def read_lines(data: bytes):
-    """(parsed object or LineError, id) for every non-blank line of the input."""
+def read_lines(data: bytes, numbered: bool = False):
+    """(parsed object or LineError, id) for every non-blank line of the input, plus its
+    1-based line number when `numbered`."""
     data = data.removeprefix(b"\xef\xbb\xbf")  # a BOM some editors write first
     for n, raw in enumerate(data.split(b"\n"), 1):
         if not raw.strip():
@@ -128,26 +131,36 @@ def read_lines(data: bytes):
         except (ValueError, RecursionError) as e:  # ValueError: also ints of > 4300 digits
             obj, bad = None, bad or LineError(f"malformed JSON: {e}")
         rid = obj.get("id") if isinstance(obj, dict) else None
-        yield bad or obj, rid if rid is not None and _is_scalar(rid) else f"line {n}"
+        rid = rid if rid is not None and _is_scalar(rid) else f"line {n}"
+        yield (bad or obj, rid, n) if numbered else (bad or obj, rid)
 
 
-def done_ids(path: str) -> tuple[set, Optional[int]]:
-    """Ids recorded in an existing output file, and the length to cut it to when it ends
-    in a torn line (None when it does not)."""
+# An input line whose id an earlier line already has does not run: it gets an error
+# record carrying this key (the earlier line's number) and its own line number, which
+# does not mark the id as done, so `--resume` still runs the earlier line if it had not
+# finished, and does not report the same duplicate twice.
+DUPLICATE_OF = "duplicate_of_line"
+
+
+def done_ids(path: str) -> tuple[set, Optional[int], set]:
+    """Ids recorded in an existing output file, the length to cut it to when it ends in a
+    torn line (None when it does not), and the duplicate-id lines already reported."""
     try:
         data = Path(path).read_bytes()
     except FileNotFoundError:
-        return set(), None
+        return set(), None, set()
     whole = data.rfind(b"\n") + 1  # bytes up to the end of the last whole line
-    ids = set()
+    ids, duplicates = set(), set()
     for raw in data[:whole].split(b"\n"):
         try:
             rec = json.loads(raw.decode("utf-8"))
         except (ValueError, RecursionError):  # UnicodeDecodeError, JSONDecodeError
             continue  # a foreign line: as if absent
-        if isinstance(rec, dict) and "id" in rec:
+        if isinstance(rec, dict) and DUPLICATE_OF in rec:
+            duplicates.add(rec.get("line"))
+        elif isinstance(rec, dict) and "id" in rec:
             ids.add(_key(rec["id"]))
-    return ids, (whole if whole < len(data) else None)
+    return ids, (whole if whole < len(data) else None), duplicates
 
 
 def record(rid, res, has_tokenizer: bool) -> dict:
@@ -187,6 +200,7 @@ def parse_args(argv):
     p.add_argument("--mesh", metavar="tp=N,dp=M,ep=E",
                    help="shard over devices: tensor parallel N, data parallel M, experts "
                         "over E (MoE models; default: one device)")
+    add_compile_cache_option(p)
     args = p.parse_args(argv)
     if args.resume and args.output == "-":
         p.error("--resume needs an output file, not stdout")
@@ -254,12 +268,24 @@ def make_engine(args):
         raise Fatal(str(e)) from None
 
 
-def read_requests(data: bytes, skip: set, engine: Engine, defaults, emit):
+def read_requests(data: bytes, skip: set, engine: Engine, defaults, emit,
+                  reported: frozenset = frozenset()):
     """(requests, their ids, lines in error, lines skipped): an error record is emitted for
-    every line that cannot run; lines whose id is in `skip` are left out."""
+    every line that cannot run (a repeated id included, unless its line is in `reported`);
+    lines whose id is in `skip` are left out."""
     requests, ids, bad, skipped = [], [], 0, 0
-    for obj, rid in read_lines(data):
-        if _key(rid) in skip:
+    first = {}  # id -> the line that has it first
+    for obj, rid, n in read_lines(data, numbered=True):
+        key = _key(rid)
+        if key in first:
+            if n not in reported:
+                emit({"id": rid, "error": f"duplicate id: line {first[key]} has the same id, "
+                      "so this line did not run (ids must be unique for --resume to tell "
+                      "records apart)", DUPLICATE_OF: first[key], "line": n})
+            bad += 1
+            continue
+        first[key] = n
+        if key in skip:
             skipped += 1
             continue
         try:
@@ -309,6 +335,8 @@ def run(engine: Engine, requests: list, ids: list, emit, has_tokenizer: bool) ->
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    compile_cache.enable(args.compile_cache)
+    cache = compile_cache.CacheStats()
     try:
         try:
             data = sys.stdin.buffer.read() if args.input == "-" else \
@@ -316,7 +344,7 @@ def main(argv=None) -> int:
         except OSError as e:
             raise Fatal(f"cannot read input {args.input}: {e.strerror or e}") from None
         model_dir, model, engine = make_engine(args)
-        skip, cut = done_ids(args.output) if args.resume else (set(), None)
+        skip, cut, reported = done_ids(args.output) if args.resume else (set(), None, set())
         try:
             if cut is not None:  # drop the torn record: its id runs again
                 os.truncate(args.output, cut)
@@ -333,7 +361,8 @@ def main(argv=None) -> int:
         out.flush()
 
     try:
-        requests, ids, bad, skipped = read_requests(data, skip, engine, args.defaults, emit)
+        requests, ids, bad, skipped = read_requests(data, skip, engine, args.defaults, emit,
+                                                    frozenset(reported))
         print(f"{engine.spec.method} K={engine.spec.k} on {model_dir}: {len(requests)} "
               f"requests, {bad} lines in error, {skipped} skipped (already in the output)",
               file=sys.stderr)
@@ -345,7 +374,7 @@ def main(argv=None) -> int:
     if out is not sys.stdout.buffer:
         os.fsync(out.fileno())
         out.close()
-    print(summary, file=sys.stderr)
+    print(summary + f"\n{cache}", file=sys.stderr)
     return 0
 
 

@@ -31,3 +31,7 @@ def _platform_is_cpu() -> bool:
 
 if "XLA_FLAGS" not in os.environ and _platform_is_cpu():
     os.environ["XLA_FLAGS"] = _CHEAP_CPU_COMPILE
+
+# The suite compiles from scratch (a persistent compilation cache would make a test's
+# compile depend on earlier runs); test_generate_cli checks warm starts in its own folder.
+os.environ.setdefault("MTP_JAX_COMPILE_CACHE", "off")

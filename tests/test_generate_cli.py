@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -243,3 +244,52 @@ def test_record_fields():
     assert record("y", nan, False)["error"] == "non-finite logits"
     assert record("z", Result("z", [], "error", 2, error="bad"), False) == {
         "id": "z", "error": "bad"}
+
+
+def test_second_run_loads_its_programs_from_the_compile_cache(ckpt, tmp_path):
+    """Warm starts: the second identical run finds every program in the persistent cache
+    (the option wins over $MTP_JAX_COMPILE_CACHE, which the suite sets to off)."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"id": "a", "prompt_ids": [3, 5, 7], "max_tokens": 6}) + "\n")
+    cache = tmp_path / "cache"
+    args = ["--model", ckpt / "shipped" / "hf", "--input", inp, "--output", tmp_path / "o.jsonl",
+            "--method", "chain", *ENGINE_ARGS, "--compile-cache", cache]
+    runs = [run_cli(args) for _ in range(2)]
+    for proc in runs:
+        assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    first, second = (p.stderr.decode() for p in runs)
+    assert re.search(r"compile cache 0 hits / [1-9]\d* misses", first), first[-800:]
+    m = re.search(r"compile cache ([1-9]\d*) hits / 0 misses", second)
+    assert m, second[-800:]
+    assert any(cache.iterdir())
+    off = run_cli(args[:-1] + ["off"])
+    assert off.returncode == 0 and "compile cache off" in off.stderr.decode()
+
+
+def test_duplicate_ids_later_line_gets_an_error_and_resume_loses_nothing(ckpt, tmp_path):
+    """A repeated id does not run: its line gets an error record naming the first line.
+    That record does not mark the id done, so `--resume` after an interruption that hit
+    before the first line finished still runs it, and does not report the duplicate
+    twice."""
+    from mtp_jax.generate import main
+
+    lines = [{"id": "a", "prompt_ids": [3, 5]}, {"id": "b", "prompt_ids": [7]},
+             {"id": "a", "prompt_ids": [9, 9, 9]}, {"id": "c", "prompt_ids": [4]}]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    args = ["--model", str(ckpt / "shipped" / "hf"), "--input", str(inp), "--output",
+            str(out), "--method", "none", "--max-tokens", "4", *ENGINE_ARGS]
+    assert main(args) == 0
+    recs = records(out.read_bytes())
+    dup = [r for r in recs if "duplicate_of_line" in r]
+    assert len(dup) == 1 and dup[0]["id"] == "a" and dup[0]["duplicate_of_line"] == 1
+    assert dup[0]["line"] == 3 and "line 1" in dup[0]["error"]
+    ran = {r["id"]: r for r in recs if "token_ids" in r}
+    assert sorted(ran) == ["a", "b", "c"]
+    # As if interrupted after the duplicate's error and b: a and c are still to run.
+    out.write_text(json.dumps(dup[0]) + "\n" + json.dumps(ran["b"]) + "\n")
+    assert main(args + ["--resume"]) == 0
+    again = records(out.read_bytes())
+    assert sum("duplicate_of_line" in r for r in again) == 1
+    assert sorted(r["id"] for r in again if "token_ids" in r) == ["a", "b", "c"]
+    assert [r for r in again if r["id"] == "a" and "token_ids" in r][0] == ran["a"]
