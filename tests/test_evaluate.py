@@ -76,7 +76,7 @@ def spec_run(files):
 
 def test_report_schema(spec_run, files):
     _, rep = spec_run
-    assert set(rep) == {"methods", "config", "device"}
+    assert set(rep) == {"methods", "config", "device", "compile_cache"}
     assert list(rep["methods"]) == ["none", "chain", "eagle"]
     cfg = rep["config"]
     assert cfg["model"] == str(files / "model") and cfg["layout"] == "mimo"

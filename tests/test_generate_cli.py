@@ -29,7 +29,7 @@ VALID = [
 ]
 # (line, the id its record must carry, a piece of the expected error message)
 ERRORS = [
-    ({"id": "dup", "prompt_ids": [5, 100]}, "dup", "outside the vocabulary"),
+    ({"id": "dup", "prompt_ids": [5, 100]}, "dup", "duplicate id: line"),  # a valid "dup" first
     ({"id": "neg", "prompt_ids": [-1, 5]}, "neg", "outside the vocabulary"),
     ({"id": "long", "prompt_ids": [1] * 70}, "long", "max_model_len is 64"),
     ({"id": "empty", "prompt": ""}, "empty", "empty prompt"),
@@ -113,7 +113,8 @@ def test_chain_records_errors_and_summary(chain_run):
         if "prompt_ids" in src:
             assert r["num_prompt_tokens"] == len(src["prompt_ids"])
     errs = [r for r in recs if "token_ids" not in r]
-    assert all(set(r) == {"id", "error"} for r in errs)
+    assert all(set(r) == {"id", "error"} or set(r) == {"id", "error", "duplicate_of_line",
+                                                        "line"} for r in errs)
     got = sorted((json.dumps(r["id"]), r["error"]) for r in errs)
     want = sorted((json.dumps(rid), msg) for rid, msg in expect.values())
     assert [g[0] for g in got] == [w[0] for w in want]

@@ -406,6 +406,9 @@ def _bad_kinds():
     ]
 
 
+DUPLICATE = ("duplicate id",)
+
+
 def hostile_file():
     """(bytes of the file, expectations per non-blank line in order): GOOD lines are
     (GOOD, id, parsed object), bad ones (id key, fragments)."""
@@ -460,7 +463,13 @@ def hostile_file():
             rid, frags = exp
             expect.append((f"line {n}" if rid == LINE else rid, frags))
     assert len(expect) == N_LINES
-    return b"\n".join(raw_lines) + b"\n", expect
+    # A line whose id an earlier line already has does not run (generate.DUPLICATE_OF).
+    seen, out = set(), []
+    for e in expect:
+        k = generate._key(e[1] if e[0] == GOOD else e[0])
+        out.append((e[1] if e[0] == GOOD else e[0], DUPLICATE) if k in seen else e)
+        seen.add(k)
+    return b"\n".join(raw_lines) + b"\n", out
 
 
 def test_cli_10000_hostile_lines(ckpt, model, alone, tmp_path):
@@ -487,16 +496,25 @@ def test_cli_10000_hostile_lines(ckpt, model, alone, tmp_path):
         by_id[key(r["id"])].append(r)
     defaults = SamplingParams(max_tokens=CLI_MAX_TOKENS)
     n_good = 0
+    dups = [r for r in recs if generate.DUPLICATE_OF in r]
+    assert len(dups) == sum(e[1] == DUPLICATE for e in expect) > 0
+    for r in dups:
+        assert set(r) == {"id", "error", "duplicate_of_line", "line"}, r
+        assert "duplicate id" in r["error"] and r["duplicate_of_line"] < r["line"], r
     for e in expect:
         if e[0] == GOOD:
             n_good += 1
             ids, sp = generate.build_request(e[2], model.tokenizer, defaults)
             want = alone("chain", ids, sp)
             for r in by_id[key(e[1])]:
+                if generate.DUPLICATE_OF in r:
+                    continue
                 assert (r["token_ids"], r["finish_reason"], r["text"], r["num_prompt_tokens"]) \
                     == (want.token_ids, want.finish_reason, want.text, len(ids)), e[1]
-        else:
+        elif e[1] != DUPLICATE:
             for r in by_id[key(e[0])]:
+                if generate.DUPLICATE_OF in r:
+                    continue
                 assert set(r) == {"id", "error"}, r
                 assert any(f in r["error"] for f in e[1]), (r, e[1])
     assert f"{n_good} requests, {N_LINES - n_good} lines in error" in err
