@@ -54,7 +54,7 @@ from mtp_jax.checkpoint import Model, abstract_model  # noqa: E402
 from mtp_jax.config import EngineConfig, ModelConfig, SpecConfig  # noqa: E402
 from mtp_jax.drafting import draft  # noqa: E402
 from mtp_jax.kv_cache import PagedKV, make_layout  # noqa: E402
-from mtp_jax.sharding import make_mesh, shard_params, state_shardings  # noqa: E402
+from mtp_jax.sharding import make_mesh, shard_params, state_shardings, use_mesh  # noqa: E402
 from mtp_jax.step import Static, init_state, programs  # noqa: E402
 
 MIMO_7B = dict(layout="mimo", vocab_size=151680, hidden_size=4096, intermediate_size=11008,
@@ -146,66 +146,98 @@ def timed(fn, reps=3):
     return min(ts), statistics.median(ts)
 
 
-def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=False):
-    cfg = model.config
-    max_len = max(ctxs) + steps * (K + 1) * 4 + 64
-    eng = EngineConfig(max_batch=b, max_model_len=max_len, page_size=16, prefill_chunk=16)
-    out = []
+def bench_programs(model, eng: EngineConfig, dtype, mesh=None, k=K) -> dict:
+    """{"none", "chain" (k)}: the engine's compiled programs for this model and config."""
     progs = {}
     for method in ("none", "chain"):
-        spec = SpecConfig(method=method, num_speculative_tokens=K)
-        layout = make_layout(cfg, eng, spec.k, dtype, mtp_layers=spec.k)
-        static = Static(cfg, spec, eng, layout, mesh)
+        spec = SpecConfig(method=method, num_speculative_tokens=k)
+        layout = make_layout(model.config, eng, spec.k, dtype, mtp_layers=spec.k)
+        static = Static(model.config, spec, eng, layout, mesh)
         if mesh is None:
             progs[method] = programs(static, model.graphdef)
         else:
             shape = jax.eval_shape(lambda: init_state(static, dtype))
             p_sh = jax.tree_util.tree_map(lambda x: x.sharding, model.params)
             progs[method] = programs(static, model.graphdef,
-                                     state_shardings(shape, mesh, b), p_sh)
-    static_c = progs["chain"].static
-    p = model.params
+                                     state_shardings(shape, mesh, eng.max_batch), p_sh)
+    return progs
 
-    def fresh(method, ctx):
-        pr = progs[method]
-        st = decoding_state(pr.static, model, b, ctx, dtype)
-        return st if mesh is None else jax.device_put(st, pr.state_sharding)
 
-    def verify_loop(q):
-        @functools.partial(jax.jit, donate_argnums=(1,))  # the caches update in place
-        def f(params, caches, st, n):
-            m = nnx.merge(model.graphdef, params)
+def fresh_state(prog, model, b, ctx, dtype, mesh=None):
+    """A `decoding_state` for `prog`'s layout, placed as its programs expect."""
+    st = decoding_state(prog.static, model, b, ctx, dtype)
+    return st if mesh is None else jax.device_put(st, prog.state_sharding)
 
-            def body(i, carry):
-                caches, tok = carry
-                kv = PagedKV(static_c.layout, caches, st.block_tables, st.limit, mesh=mesh)
-                pos = st.length[:, None] - 1 + jnp.arange(q)
-                toks = jnp.broadcast_to(tok[:, None], (b, q))
-                normed, _ = m.target(toks, pos, kv.attend(pos, st.length + q - 1))
-                logits = m.target.head(normed)
-                return tuple(kv.caches), jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
 
+def _tokens(tok, b, q, vocab, spread):
+    """[b, q] input tokens from the last ones: repeated, or spread over the vocabulary
+    (so each position routes to its own experts in an MoE model)."""
+    if spread:
+        return (tok[:, None] + jnp.arange(q)[None] * 7919) % vocab
+    return jnp.broadcast_to(tok[:, None], (b, q))
+
+
+def verify_loop(model, layout, b, q, mesh=None, spread=False):
+    """Jitted `f(params, caches, st, n)`: n target forwards over q tokens per slot (the
+    verify of a K = q - 1 step), caches donated and returned."""
+    cfg = model.config
+
+    @functools.partial(jax.jit, donate_argnums=(1,))  # the caches update in place
+    def f(params, caches, st, n):
+        m = nnx.merge(model.graphdef, params)
+
+        def body(i, carry):
+            caches, tok = carry
+            kv = PagedKV(layout, caches, st.block_tables, st.limit, mesh=mesh)
+            pos = st.length[:, None] - 1 + jnp.arange(q)
+            toks = _tokens(tok, b, q, cfg.vocab_size, spread)
+            normed, _ = m.target(toks, pos, kv.attend(pos, st.length + q - 1))
+            logits = m.target.head(normed)
+            return tuple(kv.caches), jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
+
+        with use_mesh(mesh):
             return jax.lax.fori_loop(0, n, body, (caches, st.last_token))
-        return f
+    return f
+
+
+def draft_loop(model, layout, b, dtype, mesh=None, spread=False, k=K):
+    """Jitted `f(params, caches, st, n)`: n `chain` drafts of k tokens over a k+1 window."""
+    cfg = model.config
 
     @functools.partial(jax.jit, donate_argnums=(1,))
-    def draft_loop(params, caches, st, n):
+    def f(params, caches, st, n):
         m = nnx.merge(model.graphdef, params)
         sp = st.sampling
 
         def body(i, carry):
             caches, tok = carry
-            kv = PagedKV(static_c.layout, caches, st.block_tables, st.limit, mesh=mesh)
+            kv = PagedKV(layout, caches, st.block_tables, st.limit, mesh=mesh)
             a = st.length - 2
-            pos = a[:, None] - K + jnp.arange(K + 1)
-            toks = jnp.broadcast_to(tok[:, None], (b, K + 1))
-            hid = jnp.zeros((b, K + 1, cfg.hidden_size), dtype) + tok[:, None, None].astype(dtype)
-            d, _ = draft(m, "chain", K, kv, toks, hid, pos, sp)
+            pos = a[:, None] - k + jnp.arange(k + 1)
+            toks = _tokens(tok, b, k + 1, cfg.vocab_size, spread)
+            hid = jnp.zeros((b, k + 1, cfg.hidden_size), dtype) + tok[:, None, None].astype(dtype)
+            d, _ = draft(m, "chain", k, kv, toks, hid, pos, sp)
             return tuple(kv.caches), d[:, -1]
 
-        return jax.lax.fori_loop(0, n, body, (caches, st.last_token))
+        with use_mesh(mesh):
+            return jax.lax.fori_loop(0, n, body, (caches, st.last_token))
+    return f
 
-    v4 = verify_loop(K + 1)
+
+def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=False):
+    cfg = model.config
+    max_len = max(ctxs) + steps * (K + 1) * 4 + 64
+    eng = EngineConfig(max_batch=b, max_model_len=max_len, page_size=16, prefill_chunk=16)
+    out = []
+    progs = bench_programs(model, eng, dtype, mesh)
+    layout = progs["chain"].static.layout
+    p = model.params
+
+    def fresh(method, ctx):
+        return fresh_state(progs[method], model, b, ctx, dtype, mesh)
+
+    v4 = verify_loop(model, layout, b, K + 1, mesh)
+    draft_k = draft_loop(model, layout, b, dtype, mesh)
     n = jnp.int32(steps)
     for ctx in ctxs:
         row = dict(batch=b, ctx=ctx, mesh=str(dict(mesh.shape)) if mesh else None)
@@ -222,7 +254,7 @@ def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=
             row[f"{mth}_step_ms_median"] = med / steps * 1e3
             del holder
         if not steps_only:
-            for name, fn in (("verify4_ms", v4), ("draft_ms", draft_loop)):
+            for name, fn in (("verify4_ms", v4), ("draft_ms", draft_k)):
                 st = fresh("chain", ctx)
                 caches, st = st.caches, st.replace(caches=())
                 holder = {"c": jax.block_until_ready(fn(p, caches, st, 1))[0]}

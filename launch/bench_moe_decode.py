@@ -61,18 +61,16 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import decoding_state, timed  # noqa: E402
+from bench_decode import (bench_programs, draft_loop, fresh_state, timed,  # noqa: E402
+                          verify_loop)
 from bench_paged_attention import copy_bandwidth  # noqa: E402
 
 from mtp_jax.checkpoint import Model, abstract_model  # noqa: E402
 from mtp_jax.config import (EngineConfig, MLAConfig, ModelConfig, MoEConfig,  # noqa: E402
-                            RopeScaling, SpecConfig)
+                            RopeScaling)
 from mtp_jax.model import cache_entry  # noqa: E402
-from mtp_jax.drafting import draft  # noqa: E402
-from mtp_jax.kv_cache import PagedKV, make_layout  # noqa: E402
 from mtp_jax.moe import route  # noqa: E402
-from mtp_jax.sharding import P, axis_size, make_mesh, param_spec, use_mesh, state_shardings  # noqa: E402,E501
-from mtp_jax.step import Static, init_state, programs  # noqa: E402
+from mtp_jax.sharding import axis_size, make_mesh, param_spec  # noqa: E402
 
 GLM_AIR = dict(
     layout="glm4_moe", vocab_size=151552, hidden_size=4096, intermediate_size=10944,
@@ -221,60 +219,12 @@ def bench_batch(model, b, ctx, steps, qs, dtype, mesh, acceptance, bw, sizes):
     dense_b, expert_b, mtp_b = sizes
     max_len = ctx + steps * (max(qs) + 1) * 4 + 64
     eng = EngineConfig(max_batch=b, max_model_len=max_len, page_size=16, prefill_chunk=16)
-    progs = {}
-    for method in ("none", "chain"):
-        spec = SpecConfig(method=method, num_speculative_tokens=K)
-        layout = make_layout(cfg, eng, spec.k, dtype, mtp_layers=spec.k)
-        static = Static(cfg, spec, eng, layout, mesh)
-        sh = None
-        if mesh is not None:
-            shape = jax.eval_shape(lambda: init_state(static, dtype))
-            sh = state_shardings(shape, mesh, b)
-        p_sh = jax.tree_util.tree_map(lambda x: x.sharding, model.params) if mesh else None
-        progs[method] = programs(static, model.graphdef, sh, p_sh)
-    static_c = progs["chain"].static
+    progs = bench_programs(model, eng, dtype, mesh, k=K)
+    layout = progs["chain"].static.layout
     p = model.params
 
     def fresh(method):
-        pr = progs[method]
-        st = decoding_state(pr.static, model, b, ctx, dtype)
-        return st if mesh is None else jax.device_put(st, pr.state_sharding)
-
-    def verify_loop(q):
-        @functools.partial(jax.jit, donate_argnums=(1,))
-        def f(params, caches, st, n):
-            m = nnx.merge(model.graphdef, params)
-
-            def body(i, carry):
-                caches, tok = carry
-                kv = PagedKV(static_c.layout, caches, st.block_tables, st.limit, mesh=mesh)
-                pos = st.length[:, None] - 1 + jnp.arange(q)
-                toks = (tok[:, None] + jnp.arange(q)[None] * 7919) % cfg.vocab_size
-                normed, _ = m.target(toks, pos, kv.attend(pos, st.length + q - 1))
-                logits = m.target.head(normed)
-                return tuple(kv.caches), jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
-
-            with use_mesh(mesh):
-                return jax.lax.fori_loop(0, n, body, (caches, st.last_token))
-        return f
-
-    @functools.partial(jax.jit, donate_argnums=(1,))
-    def draft_loop(params, caches, st, n):
-        m = nnx.merge(model.graphdef, params)
-        sp = st.sampling
-
-        def body(i, carry):
-            caches, tok = carry
-            kv = PagedKV(static_c.layout, caches, st.block_tables, st.limit, mesh=mesh)
-            a = st.length - 2
-            pos = a[:, None] - K + jnp.arange(K + 1)
-            toks = (tok[:, None] + jnp.arange(K + 1)[None] * 7919) % cfg.vocab_size
-            hid = jnp.zeros((b, K + 1, cfg.hidden_size), dtype) + tok[:, None, None].astype(dtype)
-            d, _ = draft(m, "chain", K, kv, toks, hid, pos, sp)
-            return tuple(kv.caches), d[:, -1]
-
-        with use_mesh(mesh):
-            return jax.lax.fori_loop(0, n, body, (caches, st.last_token))
+        return fresh_state(progs[method], model, b, ctx, dtype, mesh)
 
     row = dict(batch=b, ctx=ctx, mesh=str(dict(mesh.shape)) if mesh else None)
     n = jnp.int32(steps)
@@ -291,7 +241,9 @@ def bench_batch(model, b, ctx, steps, qs, dtype, mesh, acceptance, bw, sizes):
         gen = np.asarray(jax.device_get(holder["st"].num_generated))
         row[f"{mth}_tokens_per_step"] = float(gen.mean()) / (3 * steps + 1)
         del holder
-    loops = [(f"verify{q}_ms", verify_loop(q)) for q in qs] + [("draft_ms", draft_loop)]
+    loops = [(f"verify{q}_ms", verify_loop(model, layout, b, q, mesh, spread=True))
+             for q in qs] + [("draft_ms", draft_loop(model, layout, b, dtype, mesh, spread=True,
+                                                     k=K))]
     for name, fn in loops:
         st = fresh("chain")
         caches, st = st.caches, st.replace(caches=())

@@ -181,7 +181,7 @@ def check_fp8(cfg: ModelConfig, found: dict) -> tuple[dict, list[str]]:
         return {}, [f"FP8 tensors or scales but config.json has no quantization_config: "
                     f"{(fp8 + scales)[:8]}{' ...' if len(fp8) + len(scales) > 8 else ''}"]
     pairs, problems = {}, []
-    no_scale, bad_shape, orphan, not_2d, e5m2 = [], [], [], [], []
+    no_scale, bad_shape, not_2d, e5m2 = [], [], [], []
     for name in fp8:
         shape = found[name][2][1]
         scale = name + SCALE_SUFFIX

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.kv_write import DROP_SLOT, slot_mapping, write_kv
+from pallas_kernels.kv_write import DROP_SLOT, slot_mapping, write_rows
 from pallas_kernels import paged_mla as mla_kernel
 from pallas_kernels import resolve_backend
 from pallas_kernels.paged_attention import paged_attention
@@ -208,8 +208,7 @@ class PagedKV:
 
     def _write(self, pages, k, v, slots):
         dp, tp = self.dp, self.tp
-        latent = v is None
-        new = (k,) if latent else (k, v)
+        new = (k,) if v is None else (k, v)  # a latent cache is one array
 
         def write(*args):
             n = len(args) // 2
@@ -217,9 +216,7 @@ class PagedKV:
             if dp is not None:  # every dp replica of the pages takes every slot's rows
                 rows = tuple(jax.lax.all_gather(x, dp, axis=0, tiled=True) for x in rows)
                 slots = jax.lax.all_gather(slots, dp, axis=0, tiled=True)
-            if latent:
-                return write_kv(pages[0], None, rows[0], None, slots)[:1]
-            return write_kv(*pages, *rows, slots)
+            return tuple(write_rows(p, x, slots) for p, x in zip(pages, rows))
 
         page = P(tp, None, None, None)
         row = P(dp, None, tp, None)
@@ -237,7 +234,7 @@ class PagedKV:
         if self.layout.latent:
             # One latent row per token serves every head: the pages are replicated over
             # tp and the query heads split over it.
-            heads = None if self.mesh is None or q.shape[2] % self.mesh.shape["tp"] else "tp"
+            heads = kv_heads_axis(self.mesh, q.shape[2])
 
             def attn(q, kv, table, kv_lens):
                 return mla_kernel.paged_mla(q, kv[0], table, kv_lens, v_dim=v_dim,

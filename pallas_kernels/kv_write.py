@@ -14,47 +14,39 @@ import jax.numpy as jnp
 DROP_SLOT = 2**31 - 1  # slot meaning "do not write"
 
 
-def write_kv(k_pages, v_pages, k_new, v_new, slots):
-  """Scatter new K/V rows into their slots; returns the updated (k_pages, v_pages).
+def write_rows(pages, new, slots):
+  """Scatter new rows into their slots of one page array; returns the updated pages.
 
-  k_pages, v_pages: [KVH, num_pages, page_size, D]
-  k_new, v_new:     [T, KVH, D] or [B, T, KVH, D]
-  slots:            [T] or [B, T] int32; slot >= num_pages * page_size is dropped.
+  pages: [KVH, num_pages, page_size, D]
+  new:   [T, KVH, D] or [B, T, KVH, D]
+  slots: [T] or [B, T] int32; slot >= num_pages * page_size is dropped.
   Slots that repeat within one call write an unspecified one of their rows.
-  v_pages and v_new both None: one array of rows (a latent cache); v_pages comes back None.
   """
-  kv_heads, num_pages, page_size, head_dim = k_pages.shape
-  if (v_pages is None) != (v_new is None):
-    raise ValueError("v_pages and v_new must both be given or both be None.")
-  if v_pages is None:
-    v_pages, v_new = k_pages, k_new  # only for the shape checks below; only k is written
-    latent = True
-  else:
-    latent = False
-  if v_pages.shape != k_pages.shape:
-    raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} differ.")
-  if k_new.shape != v_new.shape or k_new.shape[:-2] != slots.shape:
-    raise ValueError(f"k_new {k_new.shape}, v_new {v_new.shape} must be slots.shape "
-                     f"{slots.shape} + [KVH, D].")
-  if k_new.shape[-2:] != (kv_heads, head_dim):
-    raise ValueError(f"k_new rows are {k_new.shape[-2:]}, pages want ({kv_heads}, {head_dim}).")
+  kv_heads, num_pages, page_size, head_dim = pages.shape
+  if new.shape[:-2] != slots.shape:
+    raise ValueError(f"new rows {new.shape} must be slots.shape {slots.shape} + [KVH, D].")
+  if new.shape[-2:] != (kv_heads, head_dim):
+    raise ValueError(f"new rows are {new.shape[-2:]}, pages want ({kv_heads}, {head_dim}).")
   if not jnp.issubdtype(slots.dtype, jnp.integer):
     raise ValueError(f"slots must be integer, got {slots.dtype}.")
 
   slots = slots.reshape(-1).astype(jnp.int32)
   # [T, KVH, D] -> [KVH, T, D] to match the head-major page layout.
-  k_rows = k_new.reshape(-1, kv_heads, head_dim).swapaxes(0, 1).astype(k_pages.dtype)
-  v_rows = v_new.reshape(-1, kv_heads, head_dim).swapaxes(0, 1).astype(v_pages.dtype)
+  rows = new.reshape(-1, kv_heads, head_dim).swapaxes(0, 1).astype(pages.dtype)
   # Out-of-range slots (DROP_SLOT) give out-of-range flat rows, which mode='drop' skips.
   # Negative slots are refused too rather than wrapped.
   slots = jnp.where(slots < 0, DROP_SLOT, slots)
-  flat_shape = (kv_heads, num_pages * page_size, head_dim)
-  shape = (kv_heads, num_pages, page_size, head_dim)
-  k_pages = k_pages.reshape(flat_shape).at[:, slots].set(k_rows, mode="drop").reshape(shape)
-  if latent:
-    return k_pages, None
-  v_pages = v_pages.reshape(flat_shape).at[:, slots].set(v_rows, mode="drop")
-  return k_pages, v_pages.reshape(shape)
+  flat = pages.reshape(kv_heads, num_pages * page_size, head_dim)
+  return flat.at[:, slots].set(rows, mode="drop").reshape(pages.shape)
+
+
+def write_kv(k_pages, v_pages, k_new, v_new, slots):
+  """`write_rows` for a K and a V page array alike; returns (k_pages, v_pages)."""
+  if v_pages.shape != k_pages.shape:
+    raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} differ.")
+  if k_new.shape != v_new.shape:
+    raise ValueError(f"k_new {k_new.shape} and v_new {v_new.shape} differ.")
+  return write_rows(k_pages, k_new, slots), write_rows(v_pages, v_new, slots)
 
 
 def slot_mapping(block_tables, positions, page_size, limit):

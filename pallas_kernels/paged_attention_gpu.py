@@ -93,9 +93,16 @@ def _kernel(kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, *out_refs, sm_scale, soft_
   l = jnp.zeros((rows,), jnp.float32)
   acc, m, l = lax.fori_loop(begin, end, body, (acc, m, l))
 
-  seen = l != 0.0  # nothing visible; a NaN in a visible position stays NaN
+  store_rows(out_refs, acc, m, l)
+
+
+def store_rows(out_refs, acc, m, l):
+  """Normalise a tile's f32 accumulator and store it: the output alone (one split), or
+  the normalised partial and its log-sum-exp for `combine_splits` (several). Rows that
+  saw nothing store 0 (lse -inf); a NaN in a visible position stays NaN."""
+  seen = l != 0.0
   out = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0)
-  if num_splits == 1:
+  if len(out_refs) == 1:
     (o_ref,) = out_refs
     o_ref[...] = out.astype(o_ref.dtype)
   else:

@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.paged_attention import MASK_VALUE, tile_kv_range, visible_mask
-from pallas_kernels.paged_attention_gpu import combine_splits
+from pallas_kernels.paged_attention_gpu import combine_splits, store_rows
 from pallas_kernels.paged_mla import gpu_dim_tile
 
 
@@ -145,15 +145,7 @@ def _kernel(kv_lens_ref, bt_ref, q_ref, kv_ref, *out_refs, sm_scale, q_len, num_
   carry = lax.fori_loop(begin, mid, functools.partial(body, masked=False), (acc, m, l))
   acc, m, l = lax.fori_loop(mid, end, functools.partial(body, masked=True), carry)
 
-  seen = l != 0.0  # nothing visible; a NaN in a visible position stays NaN
-  out = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0)
-  if num_splits == 1:
-    (o_ref,) = out_refs
-    o_ref[...] = out.astype(o_ref.dtype)
-  else:
-    o_ref, lse_ref = out_refs
-    o_ref[...] = out
-    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+  store_rows(out_refs, acc, m, l)
 
 
 def paged_mla_gpu(q_packed, kv_pages, block_tables, kv_lens, *, q_len, num_heads, v_dim,
