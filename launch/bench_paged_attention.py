@@ -1,11 +1,15 @@
 """Benchmark paged attention against the XLA reference, JAX's bundled GPU kernel and the
 device's copy bandwidth, all measured in the same run.
 
-  PYTHONPATH=. python launch/bench_paged_attention.py [--sweep] [--reps 5]
+  PYTHONPATH=. python launch/bench_paged_attention.py [--sweep] [--reps 5] [--no-mimo]
 
 Shapes: bf16, Hq=32, KVH=8, D=128, page 16, pages in a random permutation of the pool,
 every row at kv_len = ctx. Bandwidth counts the K+V bytes attended:
   bytes = B * ctx * KVH * D * 2 (K and V) * 2 (bf16)
+A second table (skip it with --no-mimo) times the MiMo-V2-Flash layer shapes: Hq=64,
+D=192 (keys), Dv=128 (values); sliding layers KVH=8, window 128, attention sinks; full
+layers KVH=4, no sinks. There the bytes are B * min(ctx, window) * KVH * (D + Dv) * 2:
+the kernel reads only the window's pages, the XLA reference gathers every table page.
 Each figure times N calls inside one jitted fori_loop (the output feeds the next call's
 q, so no call can be hoisted) and divides by N; best and median of --reps loops, after a
 warm-up that also reports compile time. The copy bandwidth (the denominator) is the best
@@ -36,6 +40,24 @@ from pallas_kernels.paged_attention import (  # noqa: E402
 HQ, KVH, D, PAGE = 32, 8, 128, 16
 SHAPES = [(1, 4096), (8, 4096), (64, 4096), (32, 16384)]
 COPY_BYTES = 4 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+  """Head shape of one attention layer: Hq, KVH, key dim D, value dim Dv, window, sinks."""
+  name: str
+  hq: int = HQ
+  kvh: int = KVH
+  d: int = D
+  dv: int = D
+  window: int | None = None
+  sinks: bool = False
+
+
+DEFAULT = Layer("default")
+MIMO_LAYERS = [Layer("MiMo-V2-Flash sliding", 64, 8, 192, 128, window=128, sinks=True),
+               Layer("MiMo-V2-Flash full", 64, 4, 192, 128)]
+MIMO_SHAPES = [(1, 4096), (64, 4096), (32, 16384)]
 
 
 def log(*a):
@@ -77,17 +99,26 @@ def copy_bandwidth(reps=10, nbytes=COPY_BYTES):
   return out
 
 
-def make_inputs(batch, ctx, q_len, key):
+def make_inputs(batch, ctx, q_len, key, layer=DEFAULT):
   """Pool of exactly the pages needed, in random order; every row at kv_len = ctx."""
   pages_per_seq = ctx // PAGE
   num_pages = batch * pages_per_seq
   kq, kk, kv, kp = jax.random.split(key, 4)
-  q = jax.random.normal(kq, (batch, q_len, HQ, D), jnp.bfloat16)
-  k = jax.random.normal(kk, (KVH, num_pages, PAGE, D), jnp.bfloat16)
-  v = jax.random.normal(kv, (KVH, num_pages, PAGE, D), jnp.bfloat16)
+  q = jax.random.normal(kq, (batch, q_len, layer.hq, layer.d), jnp.bfloat16)
+  k = jax.random.normal(kk, (layer.kvh, num_pages, PAGE, layer.d), jnp.bfloat16)
+  v = jax.random.normal(kv, (layer.kvh, num_pages, PAGE, layer.dv), jnp.bfloat16)
   tables = jax.random.permutation(kp, num_pages).reshape(batch, pages_per_seq)
   kv_lens = jnp.full((batch,), ctx, jnp.int32)
   return q, k, v, tables.astype(jnp.int32), kv_lens
+
+
+def layer_kwargs(layer, key=None):
+  """paged_attention keywords of a layer: its window and (random, f32) sinks."""
+  sinks = None
+  if layer.sinks:
+    sinks = jax.random.normal(key if key is not None else jax.random.key(1), (layer.hq,),
+                              jnp.float32)
+  return dict(sliding_window=layer.window, sinks=sinks)
 
 
 def bundled_fn():
@@ -110,8 +141,14 @@ def bundled_fn():
 def time_per_call(fn, args, n, reps):
   """(compile_s, best_s, median_s) per call of fn, N calls chained in one fori_loop."""
   q, rest = args[0], args[1:]
+
+  def feed(q, o):
+    o = o.astype(q.dtype)
+    # Dv < D: the output overwrites q's first Dv columns (still a data dependence).
+    return o if o.shape == q.shape else q.at[..., :o.shape[-1]].set(o)
+
   loop = jax.jit(lambda q, *rest: lax.fori_loop(
-      0, n, lambda _, q: fn(q, *rest).astype(q.dtype), q))
+      0, n, lambda _, q: feed(q, fn(q, *rest)), q))
   t = time.perf_counter()
   compiled = loop.lower(q, *rest).compile()
   compile_s = time.perf_counter() - t
@@ -124,12 +161,17 @@ def time_per_call(fn, args, n, reps):
   return compile_s, min(times), statistics.median(times)
 
 
-def ours(cfg=None):
-  return lambda q, k, v, t, l: paged_attention(q, k, v, t, l, backend="gpu", block_config=cfg)
+def ours(cfg=None, **kw):
+  return lambda q, k, v, t, l: paged_attention(q, k, v, t, l, backend="gpu", block_config=cfg,
+                                               **kw)
 
 
-def reference(q, k, v, t, l):
-  return paged_attention_reference(q, k, v, t, l)
+def reference(q, k, v, t, l, **kw):
+  return paged_attention_reference(q, k, v, t, l, **kw)
+
+
+def reference_fn(**kw):
+  return lambda q, k, v, t, l: reference(q, k, v, t, l, **kw)
 
 
 def sweep(results, reps, key):
@@ -166,19 +208,68 @@ def sweep(results, reps, key):
       run(batch, ctx, 1, dataclasses.replace(best, num_splits=s))
 
 
-def kv_bytes(batch, ctx):
-  return batch * ctx * KVH * D * 2 * 2
+def kv_bytes(batch, ctx, layer=DEFAULT):
+  """K+V bytes attended (bf16): the window's positions only, for a sliding layer."""
+  positions = ctx if layer.window is None else min(ctx, layer.window)
+  return batch * positions * layer.kvh * (layer.d + layer.dv) * 2
 
 
-def iters(batch, ctx):
-  return int(min(500, max(10, 0.03 * 3e12 / kv_bytes(batch, ctx))))
+def iters(batch, ctx, layer=DEFAULT):
+  return int(min(500, max(10, 0.03 * 3e12 / kv_bytes(batch, ctx, layer))))
+
+
+def layer_table(layer, shapes, reps, key, denom):
+  """Time ours vs the XLA reference at one layer shape: (markdown rows, raw entries)."""
+  kw = layer_kwargs(layer)
+  rows, raw = [], []
+  for batch, ctx in shapes:
+    per_q = {}
+    for q_len in (1, 4):
+      args = make_inputs(batch, ctx, q_len, key, layer)
+      n = iters(batch, ctx, layer)
+      nbytes = kv_bytes(batch, ctx, layer)
+      cfg = default_block_config(batch, q_len, layer.hq, layer.kvh, PAGE, ctx // PAGE, "gpu")
+      entry = dict(layer=dataclasses.asdict(layer), batch=batch, ctx=ctx, q_len=q_len,
+                   config=str(cfg), bytes=nbytes, iters=n)
+      try:
+        entry["max_abs_err"] = float(jnp.abs(
+            ours(**kw)(*args).astype(jnp.float32)
+            - reference(*args, **kw).astype(jnp.float32)).max())
+      except Exception as e:
+        log(f"{layer.name} B={batch} ctx={ctx} Q={q_len} check failed: "
+            f"{type(e).__name__}: {str(e)[:500]}")
+        entry["max_abs_err"] = float("nan")
+      for name, fn in (("ours", ours(**kw)), ("xla_reference", reference_fn(**kw))):
+        try:
+          compile_s, best, med = time_per_call(fn, args, n, reps)
+          entry[name] = dict(compile_s=compile_s, best_s=best, median_s=med,
+                             tbs=nbytes / best / 1e12)
+        except Exception as e:
+          log(f"{name} {layer.name} B={batch} ctx={ctx} Q={q_len} failed: "
+              f"{type(e).__name__}: {str(e)[:500]}")
+          entry[name] = None
+      per_q[q_len] = entry
+      raw.append(entry)
+      log(json.dumps(entry))
+      del args
+    for q_len, e in per_q.items():
+      o, x = e.get("ours"), e.get("xla_reference")
+      cell = lambda r: f"{r['tbs']:.2f} ({100 * r['tbs'] * 1e12 / denom:.0f} %)" if r else "n/a"
+      us = f"{o['best_s'] * 1e6:.1f} / {o['median_s'] * 1e6:.1f}" if o else "n/a"
+      speedup = f"{x['best_s'] / o['best_s']:.2f}" if o and x else "n/a"
+      rows.append(f"| {layer.name} | {batch} | {ctx} | {q_len} | {cell(o)} | {us} | "
+                  f"{cell(x)} | {speedup} | {e['max_abs_err']:.1e} |")
+  return rows, raw
 
 
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--sweep", action="store_true", help="also time a grid of block configs")
-  ap.add_argument("--no-table", action="store_true", help="skip the main table")
+  ap.add_argument("--no-table", action="store_true",
+                  help="skip the main table (and the MiMo-V2-Flash table)")
+  ap.add_argument("--no-mimo", action="store_true",
+                  help="skip the MiMo-V2-Flash table (D 192, Dv 128, sinks, window 128)")
   opts = ap.parse_args()
   out_dir = os.environ.get("OUT")
   dev = jax.devices()[0]
@@ -249,6 +340,22 @@ def main():
       "|---|---|---|---|---|---|---|---|---|",
       *rows,
   ])
+  if not (opts.no_table or opts.no_mimo):
+    mimo_rows = []
+    for layer in MIMO_LAYERS:
+      layer_rows, layer_raw = layer_table(layer, MIMO_SHAPES, opts.reps, key, denom)
+      mimo_rows += layer_rows
+      raw += layer_raw
+    table += "\n".join([
+        "", "",
+        "MiMo-V2-Flash layers: Hq 64, D 192, Dv 128, page 16, bf16; sliding: KVH 8, "
+        "window 128, sinks; full: KVH 4. Bytes: the window's K+V only.",
+        "",
+        "| layer | B | ctx | Q | ours TB/s (% copy) | ours us best / median "
+        "| XLA reference TB/s | XLA / ours time | max abs err vs ref |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *mimo_rows,
+    ])
   log("\n" + table)
   sweep_results = []
   if opts.sweep:

@@ -1,20 +1,49 @@
 """Paged attention: one op for decode (Q = 1), verify (Q = K + 1) and chunked prefill.
 
 Layouts (einsum letters: b batch, q query row, h kv head, g query head within its kv
-head, k kv position, d head dim):
+head, k kv position, d key head dim, v value head dim):
   q            [B, Q, Hq, D]                 Hq = KVH * G; query head h*G + g reads kv head h
-  k/v_pages    [KVH, num_pages, page_size, D]
+  k_pages      [KVH, num_pages, page_size, D]
+  v_pages      [KVH, num_pages, page_size, Dv]   Dv may differ from D (MiMo-V2-Flash:
+                                             D = 192, Dv = 128)
   block_tables [B, max_pages_per_seq] int32  page ids into num_pages
   kv_lens      [B] int32                     KV length per row, counting the Q new tokens
+  sinks        [Hq] float or None            per-query-head attention-sink logits
+  out          [B, Q, Hq, Dv]
 The page layout is fixed: each (kv head, page) is one contiguous page_size * D chunk, so
 a page is a single DMA / a single run of coalesced loads, and tensor parallelism shards
-the leading KVH axis without touching the rest.
+the leading KVH axis without touching the rest. Pages are never padded in HBM (decode
+reads every page byte on every step): a head dim the kernel cannot tile directly is
+handled in the kernel's loads, see below.
 
 Query row i of batch row b sees kv positions p < kv_lens[b] - Q + i + 1 and, with
 `sliding_window` W, only p > kv_lens[b] - Q + i - W (at most W positions, itself
 included). Rows that see nothing return exactly 0. Masked positions never contribute,
 whatever the pages hold there (NaN included). Block-table entries past what kv_len needs
 may be any in-range page id; the table itself is never read out of bounds.
+
+Attention sinks (gpt-oss, MiMo-V2): query head h's learned logit s_h = sinks[h] (f32,
+not multiplied by sm_scale, not soft-capped) joins the softmax as one more column that
+carries no value, as transformers computes it (append the column, softmax, drop it):
+  out = sum_k e^(l_k - m) v_k / (sum_k e^(l_k - m) + e^(s_h - m)),  m = max(l, s_h).
+A row that sees nothing still returns 0. The kernels put the sink into the online
+softmax's initial state rather than fixing the output up afterwards: the running max
+starts at s_h and the running sum at e^(s_h - s_h) = 1 (acc at 0), which is exactly a
+zero-value column processed first, so there is no extra pass, output or rounding.
+With split-K (GPU) only split 0 starts from the sink and the other splits start empty;
+`combine_splits` weighs the partials by their log-sum-exps, so the sink is counted
+once however many splits there are (split 0 with no blocks of its own contributes just
+the sink: output 0, log-sum-exp s_h).
+
+Key dim D that is not a power of two (Triton tiles must be): the GPU kernel splits the
+key dim into a power-of-two head plus a tail, e.g. 192 = 128 + 64 or 48 = 32 + 16, and
+sums one q . k^T dot per part; each part is its own [block_k, part] gather of the same
+page rows, so the pages are read once and nothing is padded in HBM. A tail that is not
+itself a power of two >= 16 (and Dv likewise) is padded up to one by masked loads that
+read zeros without touching memory. Padding 192 to 256 instead would waste a third of
+the QK matrix work and mask every load column-wise. The TPU kernel copies whole pages
+and takes one dot over the full D: Mosaic lays a 192-wide minor dim out as two 128-lane
+tiles in VMEM and masks the padding of the contracting dim in its matmul.
 
 Kernels pack the G query heads of one kv head times the Q rows into the rows of one tile
 (row r = i * G + g), so a kv page is read once for all of them: verify with Q = K + 1
@@ -133,16 +162,18 @@ def _resolve_backend(backend):
   return resolve_backend(backend, BACKEND_ENV_VAR, "paged-attention")
 
 
-def _check_inputs(q, k_pages, v_pages, block_tables, kv_lens, sliding_window, soft_cap):
+def _check_inputs(q, k_pages, v_pages, block_tables, kv_lens, sliding_window, soft_cap,
+                  sinks=None):
   if q.ndim != 4:
     raise ValueError(f"q must be [B, Q, Hq, D], got shape {q.shape}.")
   batch, _, num_q_heads, head_dim = q.shape
-  if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
-    raise ValueError("k_pages and v_pages must both be [KVH, num_pages, page_size, D]; got "
-                     f"{k_pages.shape} and {v_pages.shape}.")
+  if k_pages.ndim != 4 or v_pages.ndim != 4 or k_pages.shape[:3] != v_pages.shape[:3]:
+    raise ValueError("k_pages and v_pages must be [KVH, num_pages, page_size, D] and "
+                     "[KVH, num_pages, page_size, Dv] (same KVH, num_pages and page_size); "
+                     f"got {k_pages.shape} and {v_pages.shape}.")
   num_kv_heads, _, _, kv_dim = k_pages.shape
   if kv_dim != head_dim:
-    raise ValueError(f"q head dim {head_dim} != kv head dim {kv_dim}.")
+    raise ValueError(f"q head dim {head_dim} != key head dim {kv_dim}.")
   if num_q_heads % num_kv_heads:
     raise ValueError(f"Hq={num_q_heads} must be a multiple of KVH={num_kv_heads}.")
   if not (q.dtype == k_pages.dtype == v_pages.dtype):
@@ -159,21 +190,28 @@ def _check_inputs(q, k_pages, v_pages, block_tables, kv_lens, sliding_window, so
     raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}.")
   if soft_cap is not None and not soft_cap > 0:
     raise ValueError(f"soft_cap must be positive or None, got {soft_cap!r}.")
+  if sinks is not None:
+    if getattr(sinks, "shape", None) != (num_q_heads,):
+      raise ValueError(f"sinks must be [Hq={num_q_heads}] (one logit per query head) or "
+                       f"None, got shape {getattr(sinks, 'shape', type(sinks).__name__)}.")
+    if not jnp.issubdtype(sinks.dtype, jnp.floating):
+      raise ValueError(f"sinks must be a float array, got {sinks.dtype}.")
 
 
 @functools.partial(jax.jit, static_argnames=("sliding_window", "soft_cap", "sm_scale",
                                              "block_config"))
 def paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, *,
-                              sliding_window=None, soft_cap=None, sm_scale=None,
+                              sliding_window=None, soft_cap=None, sm_scale=None, sinks=None,
                               block_config=None):
   """Pure-jnp paged attention: gather every table page, dense masked softmax.
 
   Same signature and result as `paged_attention` (block_config is accepted and ignored).
   """
   del block_config
-  _check_inputs(q, k_pages, v_pages, block_tables, kv_lens, sliding_window, soft_cap)
+  _check_inputs(q, k_pages, v_pages, block_tables, kv_lens, sliding_window, soft_cap, sinks)
   batch, q_len, num_q_heads, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape
+  v_dim = v_pages.shape[3]
   group = num_q_heads // num_kv_heads
   if sm_scale is None:
     sm_scale = 1.0 / math.sqrt(head_dim)
@@ -181,7 +219,7 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, *,
 
   # [KVH, B, max_pages, page_size, D] -> [KVH, B, K, D] with K = max_pages * page_size.
   k = k_pages[:, block_tables].reshape(num_kv_heads, batch, -1, head_dim)
-  v = v_pages[:, block_tables].reshape(num_kv_heads, batch, -1, head_dim)
+  v = v_pages[:, block_tables].reshape(num_kv_heads, batch, -1, v_dim)
   qg = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
   logits = jnp.einsum("bqhgd,hbkd->bhgqk", qg, k, precision=precision,
                       preferred_element_type=jnp.float32) * sm_scale
@@ -200,29 +238,42 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, *,
 
   logits = jnp.where(mask, logits, -jnp.inf)
   m = logits.max(axis=-1, keepdims=True)
-  p = jnp.where(mask, jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+  if sinks is not None:
+    # The sink column: a logit s_h with no value, in the max and the denominator.
+    sink = sinks.astype(jnp.float32).reshape(1, num_kv_heads, group, 1, 1)
+    m = jnp.maximum(m, sink)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.where(mask, jnp.exp(logits - m), 0.0)
   l = p.sum(axis=-1)                                              # [B, H, G, Q]
+  if sinks is not None:
+    l += jnp.exp(sink - m)[..., 0]
   o = jnp.einsum("bhgqk,hbkd->bhgqd", p, v.astype(jnp.float32), precision=precision)
-  # l == 0 exactly when the row sees nothing (else the max term contributes 1); a NaN
-  # key or value in a visible position must come out as NaN, not be swallowed as 0.
+  # Without sinks, l == 0 exactly when the row sees nothing (else the max term
+  # contributes 1); a NaN key or value in a visible position must come out as NaN, not
+  # be swallowed as 0. With sinks, such a row has o == 0 and l > 0: also 0.
   seen = l != 0.0
   o = jnp.where(seen[..., None], o / jnp.where(seen, l, 1.0)[..., None], 0.0)
-  return o.transpose(0, 3, 1, 2, 4).reshape(q.shape).astype(q.dtype)
+  return o.transpose(0, 3, 1, 2, 4).reshape(
+      batch, q_len, num_q_heads, v_dim).astype(q.dtype)
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, kv_lens, *, sliding_window=None,
-                    soft_cap=None, sm_scale=None, backend=None, interpret=False,
+                    soft_cap=None, sm_scale=None, sinks=None, backend=None, interpret=False,
                     block_config=None):
   """Paged GQA attention over the pages named by `block_tables` (module docstring).
 
+  sm_scale: default 1 / sqrt(D) (the key head dim). sinks: None or [Hq] per-query-head
+  sink logits (a traced array, computed in f32; module docstring).
   backend: None -> $MTP_JAX_ATTENTION_BACKEND or jax.default_backend() ('cpu' runs the
   reference); or 'gpu', 'tpu', 'reference'. Resolved here, outside jit, so the env var
   is read on every call. interpret=True runs the chosen Pallas kernel in interpret mode
   (on CPU). block_config: a BlockConfig, default from the shapes.
-  Returns [B, Q, Hq, D] in q.dtype (accumulated in f32).
+  Returns [B, Q, Hq, Dv] in q.dtype (accumulated in f32). Shapes a kernel cannot tile
+  raise ValueError naming the dimension and the reason.
   """
   backend = _resolve_backend(backend)
-  kwargs = dict(sliding_window=sliding_window, soft_cap=soft_cap, sm_scale=sm_scale)
+  kwargs = dict(sliding_window=sliding_window, soft_cap=soft_cap, sm_scale=sm_scale,
+                sinks=sinks)
   if backend == "reference":
     return paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, **kwargs)
   if block_config is not None and not isinstance(block_config, BlockConfig):
@@ -235,11 +286,12 @@ def paged_attention(q, k_pages, v_pages, block_tables, kv_lens, *, sliding_windo
 @functools.partial(jax.jit, static_argnames=("sliding_window", "soft_cap", "sm_scale",
                                              "backend", "interpret", "block_config"))
 def _paged_attention_kernel(q, k_pages, v_pages, block_tables, kv_lens, *, sliding_window,
-                            soft_cap, sm_scale, backend, interpret, block_config):
-  """Pack the query rows, run the backend's kernel, unpack."""
-  _check_inputs(q, k_pages, v_pages, block_tables, kv_lens, sliding_window, soft_cap)
+                            soft_cap, sm_scale, sinks, backend, interpret, block_config):
+  """Pack the query rows (and their sinks), run the backend's kernel, unpack."""
+  _check_inputs(q, k_pages, v_pages, block_tables, kv_lens, sliding_window, soft_cap, sinks)
   batch, q_len, num_q_heads, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape
+  v_dim = v_pages.shape[3]
   group = num_q_heads // num_kv_heads
   cfg = block_config or default_block_config(
       batch, q_len, num_q_heads, num_kv_heads, page_size, block_tables.shape[1], backend,
@@ -251,19 +303,26 @@ def _paged_attention_kernel(q, k_pages, v_pages, block_tables, kv_lens, *, slidi
   qp = q.reshape(batch, q_len, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
   qp = qp.reshape(batch, num_kv_heads, rows, head_dim)
   qp = jnp.pad(qp, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
+  sink_rows = None
+  if sinks is not None:
+    # Packed row r = i*G + g of kv head h takes query head h*G + g's sink: [KVH, R].
+    sink_rows = jnp.tile(sinks.astype(jnp.float32).reshape(num_kv_heads, 1, group),
+                         (1, q_len, 1)).reshape(num_kv_heads, rows)
+    sink_rows = jnp.pad(sink_rows, ((0, 0), (0, padded - rows)))
   common = dict(q_len=q_len, group=group, soft_cap=soft_cap, window=sliding_window,
                 sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale,
                 pages_per_block=cfg.pages_per_block, rows_per_block=cfg.rows_per_block,
                 interpret=interpret)
   if backend == "gpu":
     from pallas_kernels.paged_attention_gpu import paged_attention_gpu
-    out = paged_attention_gpu(qp, k_pages, v_pages, block_tables, kv_lens, **common,
-                              num_splits=cfg.num_splits, num_warps=cfg.num_warps,
-                              num_stages=cfg.num_stages)
+    out = paged_attention_gpu(qp, k_pages, v_pages, block_tables, kv_lens, sink_rows,
+                              **common, num_splits=cfg.num_splits,
+                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
   else:
     if cfg.num_splits != 1:
       raise ValueError("The TPU kernel runs one KV split; set BlockConfig.num_splits=1.")
     from pallas_kernels.paged_attention_tpu import paged_attention_tpu
-    out = paged_attention_tpu(qp, k_pages, v_pages, block_tables, kv_lens, **common)
-  out = out[:, :, :rows].reshape(batch, num_kv_heads, q_len, group, head_dim)
-  return out.transpose(0, 2, 1, 3, 4).reshape(q.shape)
+    out = paged_attention_tpu(qp, k_pages, v_pages, block_tables, kv_lens, sink_rows,
+                              **common)
+  out = out[:, :, :rows, :v_dim].reshape(batch, num_kv_heads, q_len, group, v_dim)
+  return out.transpose(0, 2, 1, 3, 4).reshape(batch, q_len, num_q_heads, v_dim)

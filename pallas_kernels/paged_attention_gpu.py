@@ -1,6 +1,6 @@
 """Paged attention for NVIDIA GPUs: a Pallas (Triton backend) kernel with split-K.
 
-The public op, the layouts and the masking rule are documented in
+The public op, the layouts, the masking rule and the sink semantics are documented in
 `pallas_kernels.paged_attention`; this module holds only the GPU kernel and its wrapper.
 
 One program handles one (batch row, kv head, tile of packed query rows, KV split). It
@@ -9,12 +9,16 @@ reads its pages through the block table inside the kernel (no XLA gather of the 
 one split (flash-decoding) each program covers a contiguous share of the row's visible
 pages and writes a normalised partial output plus its log-sum-exp; `combine_splits`
 merges them. The share is computed from the actual kv_len, so short rows do not leave
-programs idle behind long ones.
+programs idle behind long ones. A sink enters split 0's initial softmax state only, so
+the combine counts it once.
 
-K and V are gathered as 2-D [block_k, D] masked loads with one table entry per row.
+K and V are gathered as 2-D [block_k, width] masked loads with one table entry per row.
 Gathering [pages, page_size, D] and reshaping to [block_k, D] computes the same thing,
 but Triton then did not pipeline the loads: 2.3 TB/s against 4.1 TB/s at B=64, 4k
-context on an H200 (docs/BENCHMARKS.md).
+context on an H200 (docs/BENCHMARKS.md). A key dim that is not a power of two is split
+into power-of-two parts (`key_dim_parts`: 192 = 128 + 64), one gather and one dot each;
+a part or value dim that is not a power of two >= 16 is padded up by masked loads
+(`dim_tile`), and the output then carries dim_tile(Dv) columns, sliced by the caller.
 """
 
 from __future__ import annotations
@@ -30,10 +34,41 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.paged_attention import MASK_VALUE, tile_kv_range, visible_mask
 
 
-def _kernel(kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, *out_refs, sm_scale, soft_cap,
-            window, q_len, group, pages_per_block, num_splits):
+def dim_tile(n: int) -> int:
+  """Tile width for a head-dim part of width n: a power of two >= 16 (Triton tiles are
+  powers of two; tensor-core dots need >= 16). Columns past n are masked-load zeros."""
+  return max(16, 1 << (n - 1).bit_length())
+
+
+def key_dim_parts(head_dim: int) -> tuple[tuple[int, int, int], ...]:
+  """(start, width, tile) of each key-dim part: one part when head_dim is a power of two
+  or below 16, else its largest power-of-two prefix and the rest (192 = 128 + 64,
+  48 = 32 + 16; a tail that is not a power of two >= 16 is padded up by masked loads).
+  Each part is its own gather and q . k^T dot (the pages are read once either way)."""
+  head = 1 << (head_dim.bit_length() - 1)
+  if head == head_dim or head < 16:
+    return ((0, head_dim, dim_tile(head_dim)),)
+  return ((0, head, head), (head, head_dim - head, dim_tile(head_dim - head)))
+
+
+def _load_q_cols(q_ref, start, width, tile):
+  """q_ref[:, start:start + width] as a [rows, tile] array, zero past `width`."""
+  if start == 0 and width == tile == q_ref.shape[1]:
+    return q_ref[...]
+  if width == tile:
+    return q_ref[:, pl.ds(start, width)]
+  shape = (q_ref.shape[0], tile)
+  col = lax.broadcasted_iota(jnp.int32, shape, 1)
+  at = (lax.broadcasted_iota(jnp.int32, shape, 0), start + col)
+  return pltriton.load(q_ref.at[at], mask=col < width, other=0.0)
+
+
+def _kernel(kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, sm_scale, soft_cap, window,
+            q_len, group, pages_per_block, num_splits, has_sinks):
+  sink_ref, out_refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
   tile, split = pl.program_id(2), pl.program_id(3)
   rows, head_dim = q_ref.shape
+  v_dim = v_ref.shape[-1]
   page_size = k_ref.shape[1]
   max_pages = bt_ref.shape[0]
   block_k = pages_per_block * page_size
@@ -49,16 +84,32 @@ def _kernel(kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, *out_refs, sm_scale, soft_
   begin = split * per_split
   end = jnp.minimum(begin + per_split, num_blocks)
 
-  q = q_ref[...]
+  k_parts = key_dim_parts(head_dim)
+  v_part = (0, v_dim, dim_tile(v_dim))
+  q_parts = [_load_q_cols(q_ref, *part) for part in k_parts]
   row = tile * rows + lax.broadcasted_iota(jnp.int32, (rows, block_k), 0)
   col = lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
-  # 2-D [block_k, D] gathers, one table entry per row (module docstring says why).
-  kv_shape = (block_k, head_dim)
-  kv_row = lax.broadcasted_iota(jnp.int32, kv_shape, 0)
-  slot_idx = lax.rem(kv_row, page_size)
-  dim_idx = lax.broadcasted_iota(jnp.int32, kv_shape, 1)
+  # 2-D [block_k, width] gathers, one table entry per row (module docstring says why):
+  # (kv row, page slot, column) indices per distinct tile width.
+  idx = {}
+  for _, _, width in (*k_parts, v_part):
+    kv_row = lax.broadcasted_iota(jnp.int32, (block_k, width), 0)
+    idx[width] = (kv_row, lax.rem(kv_row, page_size),
+                  lax.broadcasted_iota(jnp.int32, (block_k, width), 1))
   row_page = lax.div(jnp.arange(block_k, dtype=jnp.int32), page_size)
-  precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+  precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
+
+  def gather(ref, pages, pos0, start, width, tile_w):
+    kv_row, slot_idx, dim_idx = idx[tile_w]
+    # Slots outside [lo, hi) are seen by no row of this tile and may hold anything (NaN
+    # included): the masked load reads zeros there (and skips the memory traffic), so
+    # 0 * NaN never reaches the accumulator. Padding columns read as zeros too.
+    mask = (pos0 + kv_row >= lo) & (pos0 + kv_row < hi)
+    if tile_w != width:
+      mask &= dim_idx < width
+    # Whole-array indices (no slices): the interpreter's masked load needs them.
+    at = (jnp.broadcast_to(pages[:, None], kv_row.shape), slot_idx, start + dim_idx)
+    return pltriton.load(ref.at[at], mask=mask, other=0.0)
 
   def body(j, carry):
     acc, m_prev, l_prev = carry
@@ -66,16 +117,14 @@ def _kernel(kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, *out_refs, sm_scale, soft_
     pos0 = page0 * page_size
     # Clamp into the table: the tail of the last block may run past max_pages.
     pages = bt_ref[jnp.minimum(page0 + row_page, max_pages - 1)]
-    # Slots outside [lo, hi) are seen by no row of this tile and may hold anything (NaN
-    # included): the masked load reads zeros there (and skips the memory traffic), so
-    # 0 * NaN never reaches the accumulator.
-    kv_mask = (pos0 + kv_row >= lo) & (pos0 + kv_row < hi)
-    # Whole-array indices (no slices): the interpreter's masked load needs them.
-    at = (jnp.broadcast_to(pages[:, None], kv_shape), slot_idx, dim_idx)
-    k = pltriton.load(k_ref.at[at], mask=kv_mask, other=0.0)
-    v = pltriton.load(v_ref.at[at], mask=kv_mask, other=0.0)
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                        preferred_element_type=jnp.float32) * sm_scale
+    s = None
+    for q_part, part in zip(q_parts, k_parts):
+      k = gather(k_ref, pages, pos0, *part)
+      s_part = lax.dot_general(q_part, k, (((1,), (1,)), ((), ())), precision=precision,
+                               preferred_element_type=jnp.float32)
+      s = s_part if s is None else s + s_part
+    v = gather(v_ref, pages, pos0, *v_part)
+    s = s * sm_scale
     if soft_cap is not None:
       s = soft_cap * jnp.tanh(s / soft_cap)
     mask = visible_mask(row, pos0 + col, kv_len=kv_len, q_len=q_len, group=group,
@@ -88,9 +137,19 @@ def _kernel(kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, *out_refs, sm_scale, soft_
                          precision=precision, preferred_element_type=jnp.float32)
     return acc * alpha[:, None] + pv, m_next, l_prev * alpha + p.sum(axis=1)
 
-  acc = jnp.zeros((rows, head_dim), jnp.float32)
+  acc = jnp.zeros((rows, v_part[2]), jnp.float32)
   m = jnp.full((rows,), MASK_VALUE, jnp.float32)
   l = jnp.zeros((rows,), jnp.float32)
+  if has_sinks:
+    # The sink as a zero-value column processed first: max s, sum e^(s - s) = 1 (0 for
+    # s = -inf). Split 0 only, so the combine counts it once.
+    sink = sink_ref[...]
+    m_sink = jnp.maximum(sink, MASK_VALUE)
+    l_sink = jnp.exp(sink - m_sink)
+    if num_splits == 1:
+      m, l = m_sink, l_sink
+    else:
+      m, l = jnp.where(split == 0, m_sink, m), jnp.where(split == 0, l_sink, l)
   acc, m, l = lax.fori_loop(begin, end, body, (acc, m, l))
 
   store_rows(out_refs, acc, m, l)
@@ -121,42 +180,54 @@ def combine_splits(o_parts, lse):
   return o / jnp.where(den > 0.0, den, 1.0)[..., None]
 
 
-def paged_attention_gpu(q_packed, k_pages, v_pages, block_tables, kv_lens, *, q_len,
-                        group, sm_scale, soft_cap, window, pages_per_block, num_splits,
-                        rows_per_block, num_warps, num_stages, interpret):
-  """q_packed [B, KVH, R, D] (R a multiple of rows_per_block) -> f32-combined [B, KVH, R, D]."""
+def paged_attention_gpu(q_packed, k_pages, v_pages, block_tables, kv_lens, sink_rows=None,
+                        *, q_len, group, sm_scale, soft_cap, window, pages_per_block,
+                        num_splits, rows_per_block, num_warps, num_stages, interpret):
+  """q_packed [B, KVH, R, D] (R a multiple of rows_per_block), sink_rows None or [KVH, R]
+  f32 (packed row r's sink) -> f32-combined [B, KVH, R, dim_tile(Dv)] in q's dtype;
+  columns past Dv are zero."""
   batch, kv_heads, rows, head_dim = q_packed.shape
-  _, _, page_size, _ = k_pages.shape
+  _, _, page_size, v_dim = v_pages.shape
   max_pages = block_tables.shape[1]
-  for name, n in (("page_size", page_size), ("head_dim", head_dim),
-                  ("pages_per_block", pages_per_block), ("rows_per_block", rows_per_block)):
+  for name, n in (("page_size", page_size), ("pages_per_block", pages_per_block),
+                  ("rows_per_block", rows_per_block)):
     if n & (n - 1):
-      raise ValueError(f"GPU paged attention needs a power-of-two {name}, got {n}.")
-  if rows_per_block < 16 or head_dim < 16 or pages_per_block * page_size < 16:
-    raise ValueError("GPU paged attention needs rows_per_block, head_dim and "
-                     f"pages_per_block * page_size >= 16 (tensor-core tiles); got "
-                     f"{rows_per_block}, {head_dim}, {pages_per_block * page_size}.")
+      raise ValueError(f"GPU paged attention needs a power-of-two {name} (Triton tiles are "
+                       f"powers of two), got {n}.")
+  if rows_per_block < 16 or pages_per_block * page_size < 16:
+    raise ValueError("GPU paged attention needs rows_per_block and pages_per_block * "
+                     "page_size >= 16 (tensor-core tiles); got "
+                     f"{rows_per_block} and {pages_per_block * page_size}.")
   assert rows % rows_per_block == 0, (rows, rows_per_block)
   grid = (batch, kv_heads, rows // rows_per_block, num_splits)
+  v_tile = dim_tile(v_dim)
+  out_dims = (batch, kv_heads, rows, v_tile)
 
   kernel = functools.partial(
       _kernel, sm_scale=sm_scale, soft_cap=soft_cap, window=window, q_len=q_len,
-      group=group, pages_per_block=pages_per_block, num_splits=num_splits)
+      group=group, pages_per_block=pages_per_block, num_splits=num_splits,
+      has_sinks=sink_rows is not None)
   q_spec = pl.BlockSpec((None, None, rows_per_block, head_dim), lambda b, h, t, s: (b, h, t, 0))
-  page_spec = pl.BlockSpec((None, *k_pages.shape[1:]), lambda b, h, t, s: (h, 0, 0, 0))
   in_specs = [
       pl.BlockSpec((1,), lambda b, h, t, s: (b,)),
       pl.BlockSpec((None, max_pages), lambda b, h, t, s: (b, 0)),
-      q_spec, page_spec, page_spec,
+      q_spec,
+      pl.BlockSpec((None, *k_pages.shape[1:]), lambda b, h, t, s: (h, 0, 0, 0)),
+      pl.BlockSpec((None, *v_pages.shape[1:]), lambda b, h, t, s: (h, 0, 0, 0)),
   ]
+  args = [kv_lens, block_tables, q_packed, k_pages, v_pages]
+  if sink_rows is not None:
+    in_specs.append(pl.BlockSpec((None, rows_per_block), lambda b, h, t, s: (h, t)))
+    args.append(sink_rows)
   if num_splits == 1:
-    out_shape = [jax.ShapeDtypeStruct(q_packed.shape, q_packed.dtype)]
-    out_specs = [q_spec]
+    out_shape = [jax.ShapeDtypeStruct(out_dims, q_packed.dtype)]
+    out_specs = [pl.BlockSpec((None, None, rows_per_block, v_tile),
+                              lambda b, h, t, s: (b, h, t, 0))]
   else:
-    out_shape = [jax.ShapeDtypeStruct((num_splits, *q_packed.shape), jnp.float32),
+    out_shape = [jax.ShapeDtypeStruct((num_splits, *out_dims), jnp.float32),
                  jax.ShapeDtypeStruct((num_splits, batch, kv_heads, rows), jnp.float32)]
     out_specs = [
-        pl.BlockSpec((None, None, None, rows_per_block, head_dim),
+        pl.BlockSpec((None, None, None, rows_per_block, v_tile),
                      lambda b, h, t, s: (s, b, h, t, 0)),
         pl.BlockSpec((None, None, None, rows_per_block), lambda b, h, t, s: (s, b, h, t)),
     ]
@@ -169,7 +240,7 @@ def paged_attention_gpu(q_packed, k_pages, v_pages, block_tables, kv_lens, *, q_
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="paged_attention_gpu",
-  )(kv_lens, block_tables, q_packed, k_pages, v_pages)
+  )(*args)
   if num_splits == 1:
     return outs[0]
   return combine_splits(*outs).astype(q_packed.dtype)

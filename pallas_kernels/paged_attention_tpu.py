@@ -1,15 +1,18 @@
 """Paged attention for TPUs: a Mosaic TPU kernel with double-buffered page DMAs.
 
-The public op, the layouts and the masking rule are documented in
+The public op, the layouts, the masking rule and the sink semantics are documented in
 `pallas_kernels.paged_attention`; this module holds only the TPU kernel and its wrapper.
 
 Grid (batch row, kv head, tile of packed query rows). The block tables and kv_lens are
 scalar-prefetched into SMEM; the pages stay in HBM and are fetched page by page with
 async copies into a two-slot VMEM buffer, so block j+1 is in flight while block j is
 computed. Only pages that hold visible positions are copied. A TensorCore runs its grid
-sequentially, so unlike the GPU kernel there is no split-K here. Copies index the HBM
-ref with `.at[head, page]` and write `buf.at[slot, pl.ds(...)]`: no ref reshape or
-bitcast, which TPU interpret mode cannot run.
+sequentially, so unlike the GPU kernel there is no split-K here, and a sink simply
+starts the online softmax. Copies index the HBM ref with `.at[head, page]` and write
+`buf.at[slot, pl.ds(...)]`: no ref reshape or bitcast, which TPU interpret mode cannot
+run. K and V pages have their own widths D and Dv; every block spans a full head dim,
+so a D such as 192 (not a multiple of the 128 lanes) is one dot whose contracting dim
+Mosaic pads to whole lane tiles in VMEM and masks (nothing is padded in HBM).
 """
 
 from __future__ import annotations
@@ -25,10 +28,15 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.paged_attention import MASK_VALUE, tile_kv_range, visible_mask
 
 
-def _kernel(kv_lens_ref, bt_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sems, *,
-            sm_scale, soft_cap, window, q_len, group, pages_per_block, max_pages):
+def _kernel(kv_lens_ref, bt_ref, q_ref, k_hbm, v_hbm, *refs, sm_scale, soft_cap, window,
+            q_len, group, pages_per_block, max_pages, has_sinks):
+  if has_sinks:
+    sink_ref, o_ref, k_buf, v_buf, sems = refs
+  else:
+    o_ref, k_buf, v_buf, sems = refs
   b, h, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  rows, head_dim = q_ref.shape
+  rows = q_ref.shape[0]
+  v_dim = v_hbm.shape[3]
   page_size = k_hbm.shape[2]
   block_k = pages_per_block * page_size
   kv_capacity = max_pages * page_size
@@ -76,7 +84,7 @@ def _kernel(kv_lens_ref, bt_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sems,
   precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
   row = tile * rows + lax.broadcasted_iota(jnp.int32, (rows, block_k), 0)
   col = lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
-  v_col = lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
+  v_col = lax.broadcasted_iota(jnp.int32, (block_k, v_dim), 0)
 
   def body(j, carry):
     acc, m_prev, l_prev = carry
@@ -107,46 +115,62 @@ def _kernel(kv_lens_ref, bt_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sems,
                          precision=precision, preferred_element_type=jnp.float32)
     return acc * alpha + pv, m_next, l_prev * alpha + p.sum(axis=1, keepdims=True)
 
-  acc = jnp.zeros((rows, head_dim), jnp.float32)
-  m = jnp.full((rows, 1), MASK_VALUE, jnp.float32)
-  l = jnp.zeros((rows, 1), jnp.float32)
+  acc = jnp.zeros((rows, v_dim), jnp.float32)
+  if has_sinks:
+    # The sink as a zero-value column processed first: max s, sum e^(s - s) = 1 (0 for
+    # s = -inf); a row that sees nothing keeps acc = 0 and returns 0.
+    sink = sink_ref[...]
+    m = jnp.maximum(sink, MASK_VALUE)
+    l = jnp.exp(sink - m)
+  else:
+    m = jnp.full((rows, 1), MASK_VALUE, jnp.float32)
+    l = jnp.zeros((rows, 1), jnp.float32)
   acc, m, l = lax.fori_loop(0, num_blocks, body, (acc, m, l))
   seen = l != 0.0  # nothing visible; a NaN in a visible position stays NaN
   o_ref[...] = jnp.where(seen, acc / jnp.where(seen, l, 1.0), 0.0).astype(o_ref.dtype)
 
 
-def paged_attention_tpu(q_packed, k_pages, v_pages, block_tables, kv_lens, *, q_len,
-                        group, sm_scale, soft_cap, window, pages_per_block, rows_per_block,
-                        interpret):
-  """q_packed [B, KVH, R, D] (R a multiple of rows_per_block) -> [B, KVH, R, D]."""
+def paged_attention_tpu(q_packed, k_pages, v_pages, block_tables, kv_lens, sink_rows=None,
+                        *, q_len, group, sm_scale, soft_cap, window, pages_per_block,
+                        rows_per_block, interpret):
+  """q_packed [B, KVH, R, D] (R a multiple of rows_per_block), sink_rows None or [KVH, R]
+  f32 (packed row r's sink) -> [B, KVH, R, Dv]."""
   batch, kv_heads, rows, head_dim = q_packed.shape
-  _, _, page_size, _ = k_pages.shape
+  _, _, page_size, v_dim = v_pages.shape
   max_pages = block_tables.shape[1]
   assert rows % rows_per_block == 0, (rows, rows_per_block)
   block_k = pages_per_block * page_size
 
   kernel = functools.partial(
       _kernel, sm_scale=sm_scale, soft_cap=soft_cap, window=window, q_len=q_len,
-      group=group, pages_per_block=pages_per_block, max_pages=max_pages)
+      group=group, pages_per_block=pages_per_block, max_pages=max_pages,
+      has_sinks=sink_rows is not None)
   q_spec = pl.BlockSpec((None, None, rows_per_block, head_dim),
                         lambda b, h, t, *_: (b, h, t, 0))
+  in_specs = [q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
+  args = [kv_lens, block_tables.reshape(-1), q_packed, k_pages, v_pages]
+  if sink_rows is not None:
+    # [KVH, R, 1]: a (rows, 1) column, the layout of the running max and sum.
+    in_specs.append(pl.BlockSpec((None, rows_per_block, 1), lambda b, h, t, *_: (h, t, 0)))
+    args.append(sink_rows[..., None])
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2,
       grid=(batch, kv_heads, rows // rows_per_block),
-      in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
-      out_specs=q_spec,
+      in_specs=in_specs,
+      out_specs=pl.BlockSpec((None, None, rows_per_block, v_dim),
+                             lambda b, h, t, *_: (b, h, t, 0)),
       scratch_shapes=[
           pltpu.VMEM((2, block_k, head_dim), k_pages.dtype),
-          pltpu.VMEM((2, block_k, head_dim), v_pages.dtype),
+          pltpu.VMEM((2, block_k, v_dim), v_pages.dtype),
           pltpu.SemaphoreType.DMA((2, 2)),  # [K or V, buffer slot]
       ],
   )
   return pl.pallas_call(
       kernel,
       grid_spec=grid_spec,
-      out_shape=jax.ShapeDtypeStruct(q_packed.shape, q_packed.dtype),
+      out_shape=jax.ShapeDtypeStruct((batch, kv_heads, rows, v_dim), q_packed.dtype),
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "parallel")),
       interpret=pltpu.InterpretParams() if interpret else False,
       name="paged_attention_tpu",
-  )(kv_lens, block_tables.reshape(-1), q_packed, k_pages, v_pages)
+  )(*args)

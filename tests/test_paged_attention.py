@@ -2,6 +2,8 @@
 
 Every page and slot that no query row may see is NaN, and unused block-table entries
 point at NaN pages, so an out-of-bounds or unmasked read shows up as NaN in the output.
+Cases with attention sinks or a value head dim other than the key head dim also check
+every backend against the numpy oracle directly.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class Case:
   max_pages: int | None = None   # default: enough for max(kv_lens) plus one unused entry
   kv_heads: int = 2
   head_dim: int = 32
+  v_dim: int | None = None       # value head dim; default head_dim
+  sinks: bool = False            # per-query-head attention-sink logits
 
 
 CASES = {c.name: c for c in [
@@ -58,21 +62,39 @@ CASES = {c.name: c for c in [
     # kv range past the table (capacity 24): the last block's table index is clamped.
     Case("q2_g4_ps8_past_table", 2, 4, 8, (20, 30), max_pages=3,
          overrides=(("pages_per_block", 2),)),
+    # Attention sinks. Split-K: the sink must count once, not once per split (rows at
+    # kv_len 5 leave splits 1 and 2 empty; kv_len 0 sees nothing).
+    Case("decode_g4_ps8_sinks_split3", 1, 4, 8, (0, 5, 40, 17), sinks=True,
+         overrides=(("pages_per_block", 2), ("num_splits", 3))),
+    Case("q4_g2_ps8_window_sinks_split2_bf16", 4, 2, 8, (2, 19, 30), jnp.bfloat16,
+         window=20, sinks=True, overrides=(("pages_per_block", 2), ("num_splits", 2))),
+    # Value head dim != key head dim; 48 = 32 + 16 is not a power of two.
+    Case("q4_g2_ps8_d48_dv32_split2", 4, 2, 8, (9, 33, 3), head_dim=48, v_dim=32,
+         overrides=(("pages_per_block", 2), ("num_splits", 2))),
+    # MiMo-V2-Flash sliding layer, scaled down: D 192 = 128 + 64, Dv 128, sinks, window.
+    Case("decode_g8_ps16_d192_dv128_window_sinks_bf16", 1, 8, 16, (0, 40, 150),
+         jnp.bfloat16, window=32, sinks=True, kv_heads=1, head_dim=192, v_dim=128,
+         overrides=(("pages_per_block", 1), ("num_splits", 2))),
+    # D 40 = 32 + 8 and Dv 24: parts padded by masked loads on GPU.
+    Case("q2_g4_ps8_d40_dv24_sinks", 2, 4, 8, (12, 1), head_dim=40, v_dim=24, sinks=True,
+         overrides=(("pages_per_block", 2),)),
 ]}
 # The TPU interpreter is slow: one case per axis value rather than all of them.
 TPU_CASES = ["decode_g1_ps8", "decode_g4_ps16_bf16", "q2_g8_ps8_window",
              "q4_g4_ps16_window_softcap_bf16", "q8_g1_ps8_short", "prefill64_g4_ps16",
-             "q2_g4_ps8_past_table"]
+             "q2_g4_ps8_past_table", "q4_g2_ps8_window_sinks_split2_bf16",
+             "decode_g8_ps16_d192_dv128_window_sinks_bf16", "q2_g4_ps8_d40_dv24_sinks"]
 
 
 def make_inputs(case: Case, seed: int = 0):
   """Random q and a NaN-filled page pool holding only the KV some query row can see."""
   rng = np.random.default_rng(seed)
   batch, ps, kvh, d = len(case.kv_lens), case.page_size, case.kv_heads, case.head_dim
+  dv = case.v_dim or d
   max_pages = case.max_pages or -(-max(case.kv_lens) // ps) + 1
   num_pages = batch * max_pages + 3
   k = np.full((kvh, num_pages, ps, d), np.nan, np.float32)
-  v = np.full((kvh, num_pages, ps, d), np.nan, np.float32)
+  v = np.full((kvh, num_pages, ps, dv), np.nan, np.float32)
   # Distinct pages in random order; entries past what kv_len needs stay NaN pages.
   tables = rng.permutation(num_pages)[:batch * max_pages].reshape(batch, max_pages)
   for b, kv_len in enumerate(case.kv_lens):
@@ -80,29 +102,44 @@ def make_inputs(case: Case, seed: int = 0):
     for p in range(lo, min(kv_len, max_pages * ps)):
       page = tables[b, p // ps]
       k[:, page, p % ps] = rng.standard_normal((kvh, d))
-      v[:, page, p % ps] = rng.standard_normal((kvh, d))
+      v[:, page, p % ps] = rng.standard_normal((kvh, dv))
   q = rng.standard_normal((batch, case.q_len, kvh * case.group, d)).astype(np.float32)
   cast = lambda x: jnp.asarray(x, case.dtype)
   return (cast(q), cast(k), cast(v), jnp.asarray(tables, jnp.int32),
           jnp.asarray(case.kv_lens, jnp.int32))
 
 
+def make_sinks(case: Case, seed: int = 1):
+  """Sink logits [Hq] large enough to move the output well past the tolerances."""
+  if not case.sinks:
+    return None
+  rng = np.random.default_rng(seed)
+  return jnp.asarray(rng.uniform(0.0, 4.0, case.kv_heads * case.group), jnp.float32)
+
+
+def case_kwargs(case: Case):
+  return dict(sliding_window=case.window, soft_cap=case.soft_cap, sinks=make_sinks(case))
+
+
 def numpy_attention(q, k_pages, v_pages, block_tables, kv_lens, *, window=None,
-                    soft_cap=None):
-  """Row-by-row dense softmax in float64, reading positions through the table."""
+                    soft_cap=None, sinks=None):
+  """Row-by-row dense softmax in float64, reading positions through the table.
+
+  sinks [Hq]: appended as one more logit column, softmaxed, then dropped (transformers'
+  gpt-oss / MiMo-V2 eager attention)."""
   q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
   block_tables, kv_lens = np.asarray(block_tables), np.asarray(kv_lens)
   batch, q_len, num_heads, d = q.shape
-  kvh, _, ps, _ = k_pages.shape
+  kvh, _, ps, dv = v_pages.shape
   group = num_heads // kvh
-  out = np.zeros_like(q)
+  out = np.zeros((batch, q_len, num_heads, dv))
   for b in range(batch):
     for i in range(q_len):
       end = kv_lens[b] - q_len + i + 1
       start = 0 if window is None else max(0, end - window)
       positions = range(max(start, 0), min(end, block_tables.shape[1] * ps))
       if not positions:
-        continue
+        continue  # with a sink: softmax([s]) = [1], dropped: no value, output 0
       pages = [block_tables[b, p // ps] for p in positions]
       for h in range(num_heads):
         kk = np.stack([k_pages[h // group, pg, p % ps] for pg, p in zip(pages, positions)])
@@ -110,17 +147,27 @@ def numpy_attention(q, k_pages, v_pages, block_tables, kv_lens, *, window=None,
         logits = kk @ q[b, i, h] / math.sqrt(d)
         if soft_cap is not None:
           logits = soft_cap * np.tanh(logits / soft_cap)
+        if sinks is not None:
+          logits = np.concatenate([logits, [float(sinks[h])]])
         w = np.exp(logits - logits.max())
-        out[b, i, h] = (w / w.sum()) @ vv
+        probs = w / w.sum()
+        if sinks is not None:
+          probs = probs[:-1]
+        out[b, i, h] = probs @ vv
   return out
+
+
+def numpy_oracle(case: Case, args):
+  return numpy_attention(*args, window=case.window, soft_cap=case.soft_cap,
+                         sinks=make_sinks(case))
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_reference_matches_numpy(name):
   case = CASES[name]
   args = make_inputs(case)
-  got = paged_attention_reference(*args, sliding_window=case.window, soft_cap=case.soft_cap)
-  want = numpy_attention(*args, window=case.window, soft_cap=case.soft_cap)
+  got = paged_attention_reference(*args, **case_kwargs(case))
+  want = numpy_oracle(case, args)
   tol = TOL[case.dtype]
   np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=tol, rtol=tol)
 
@@ -151,15 +198,18 @@ class PagedAttentionTest:
   def test_matches_reference(self, name):
     case = CASES[name]
     q, k, v, tables, kv_lens = make_inputs(case)
-    kw = dict(sliding_window=case.window, soft_cap=case.soft_cap)
+    kw = case_kwargs(case)
     got = paged_attention(q, k, v, tables, kv_lens, backend=self.backend,
                           interpret=self.interpret, block_config=self.config(case, q), **kw)
     want = paged_attention_reference(q, k, v, tables, kv_lens, **kw)
-    assert got.dtype == q.dtype and got.shape == q.shape
+    assert got.dtype == q.dtype and got.shape == (*q.shape[:3], v.shape[3])
     got = np.asarray(got, np.float32)
     assert not np.isnan(got).any()
     tol = TOL[case.dtype]
     np.testing.assert_allclose(got, np.asarray(want, np.float32), atol=tol, rtol=tol)
+    if case.sinks or case.v_dim:
+      want = numpy_oracle(case, (q, k, v, tables, kv_lens))
+      np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
     # Rows that see nothing are exactly zero.
     for b, kv_len in enumerate(case.kv_lens):
       for i in range(case.q_len):
@@ -236,3 +286,46 @@ def test_bad_inputs_are_refused():
     paged_attention_reference(q, k, v, tables, kv_lens[:2])
   with pytest.raises(ValueError, match="int32"):
     paged_attention_reference(q, k, v, tables, kv_lens.astype(jnp.float32))
+
+
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.sinks])
+def test_sink_cases_are_sensitive(name):
+  """The sink cases tell a correct kernel from one that ignores the sink or adds it once
+  per KV split (split-K partials each with e^s: the combined sum holds S * e^s)."""
+  case = CASES[name]
+  args = make_inputs(case)
+  want = numpy_oracle(case, args)
+  splits = dict(case.overrides).get("num_splits", 1)
+  wrong = [numpy_attention(*args, window=case.window, soft_cap=case.soft_cap)]
+  if splits > 1:
+    wrong.append(numpy_attention(*args, window=case.window, soft_cap=case.soft_cap,
+                                 sinks=np.asarray(make_sinks(case)) + math.log(splits)))
+  tol = 3 * TOL[case.dtype]  # fails the backends' check with room to spare
+  for w in wrong:
+    assert not np.allclose(w, want, atol=tol, rtol=tol)
+
+
+def test_sinks_and_value_dim_inputs_are_checked():
+  case = CASES["q2_g4_ps8_d40_dv24_sinks"]
+  q, k, v, tables, kv_lens = make_inputs(case)
+  sinks = make_sinks(case)
+  with pytest.raises(ValueError, match="sinks"):
+    paged_attention_reference(q, k, v, tables, kv_lens, sinks=sinks[:-1])
+  with pytest.raises(ValueError, match="sinks"):
+    paged_attention(q, k, v, tables, kv_lens, sinks=sinks[None], backend="gpu",
+                    interpret=True)
+  with pytest.raises(ValueError, match="float"):
+    paged_attention_reference(q, k, v, tables, kv_lens, sinks=sinks.astype(jnp.int32))
+  with pytest.raises(ValueError, match="k_pages and v_pages"):
+    paged_attention_reference(q, k, v[:, :, :4], tables, kv_lens)
+  with pytest.raises(ValueError, match="k_pages and v_pages"):
+    paged_attention_reference(q, k, v[:1], tables, kv_lens)
+  with pytest.raises(ValueError, match="key head dim"):
+    paged_attention_reference(q[..., :24], k, v, tables, kv_lens)
+
+
+def test_gpu_tiling_errors_name_the_dimension():
+  case = dataclasses.replace(CASES["q2_g4_ps8_d40_dv24_sinks"], page_size=12)
+  args = make_inputs(case)
+  with pytest.raises(ValueError, match="power-of-two page_size"):
+    paged_attention(*args, backend="gpu", interpret=True)
