@@ -146,10 +146,12 @@ def timed(fn, reps=3):
     return min(ts), statistics.median(ts)
 
 
-def bench_programs(model, eng: EngineConfig, dtype, mesh=None, k=K) -> dict:
-    """{"none", "chain" (k)}: the engine's compiled programs for this model and config."""
+def bench_programs(model, eng: EngineConfig, dtype, mesh=None, k=K,
+                   methods=("none", "chain")) -> dict:
+    """{method: program} (speculative ones with k tokens): the engine's compiled programs
+    for this model and config."""
     progs = {}
-    for method in ("none", "chain"):
+    for method in methods:
         spec = SpecConfig(method=method, num_speculative_tokens=k)
         layout = make_layout(model.config, eng, spec.k, dtype, mtp_layers=spec.k)
         static = Static(model.config, spec, eng, layout, mesh)

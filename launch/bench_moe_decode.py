@@ -66,8 +66,8 @@ from bench_decode import (bench_programs, draft_loop, fresh_state, timed,  # noq
 from bench_paged_attention import copy_bandwidth  # noqa: E402
 
 from mtp_jax.checkpoint import Model, abstract_model  # noqa: E402
-from mtp_jax.config import (EngineConfig, MLAConfig, ModelConfig, MoEConfig,  # noqa: E402
-                            RopeScaling)
+from mtp_jax.config import (PER_LAYER_FIELDS, EngineConfig, MLAConfig,  # noqa: E402
+                            ModelConfig, MoEConfig, RopeScaling)
 from mtp_jax.model import cache_entry  # noqa: E402
 from mtp_jax.moe import route  # noqa: E402
 from mtp_jax.sharding import axis_size, make_mesh, param_spec  # noqa: E402
@@ -102,7 +102,41 @@ DEEPSEEK_TINY = dict(DEEPSEEK_V3, vocab_size=512, hidden_size=64, intermediate_s
                                    v_head_dim=16, q_lora_rank=32),
                      moe=MoEConfig(num_experts=16, top_k=4, intermediate_size=32, num_shared=1,
                                    n_group=4, topk_group=2, first_dense=1))
-K = 1  # GLM-4.5 and DeepSeek-V3 publish one MTP layer: chain with K = 1
+# MiMo-V2-Flash (XiaomiMiMo/MiMo-V2-Flash config.json): 48 layers, hidden 4096, 64 query
+# heads of 192 (values 128, scaled by 0.707); 9 full-attention layers (4 kv heads, theta 5e6)
+# at 0, 5, 11, 17, ..., 47 and 39 sliding layers (window 128, 8 kv heads, sinks, theta 1e4);
+# partial RoPE 0.334; layer 0 a dense FFN of 16384, the rest 256 routed experts of 2048, top-8
+# sigmoid; vocabulary 152576; 3 MTP layers (sliding, sinks, dense FFN of 16384) fed the target
+# hidden. 309 B parameters, so a slice of its first layers is timed and extrapolated.
+_MIMO_FULL = {0, 5, 11, 17, 23, 29, 35, 41, 47}
+MIMO_V2_FLASH = dict(
+    layout="mimo_v2_flash", vocab_size=152576, hidden_size=4096, intermediate_size=16384,
+    num_layers=48, num_heads=64, num_kv_heads=4, head_dim=192, v_head_dim=128,
+    num_mtp_modules=3, rope_theta=5e6, partial_rotary_factor=0.334, rms_norm_eps=1e-5,
+    max_position_embeddings=262144, attention_value_scale=0.707,
+    sliding_windows=tuple(None if i in _MIMO_FULL else 128 for i in range(48)),
+    mtp_sliding_windows=(128,) * 3,
+    layer_num_kv_heads=tuple(None if i in _MIMO_FULL else 8 for i in range(51)),
+    layer_rope_theta=tuple(None if i in _MIMO_FULL else 1e4 for i in range(51)),
+    layer_sinks=tuple(i not in _MIMO_FULL for i in range(51)),
+    mtp_concat_order="embed_first", mtp_zero_embed_at_pos0=False, mtp_hidden_source="target",
+    dtype="bfloat16",
+    moe=MoEConfig(num_experts=256, top_k=8, intermediate_size=2048,
+                  layers=tuple(0 < i < 48 for i in range(51))))
+_TINY_FULL = {0, 3}
+MIMO_TINY = dict(
+    MIMO_V2_FLASH, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4,
+    num_heads=4, num_kv_heads=1, head_dim=24, v_head_dim=16, dtype="float32",
+    sliding_windows=tuple(None if i in _TINY_FULL else 8 for i in range(4)),
+    mtp_sliding_windows=(8,) * 3,
+    layer_num_kv_heads=tuple(None if i in _TINY_FULL else 2 for i in range(7)),
+    layer_rope_theta=tuple(None if i in _TINY_FULL else 1e4 for i in range(7)),
+    layer_sinks=tuple(i not in _TINY_FULL for i in range(7)),
+    moe=MoEConfig(num_experts=16, top_k=4, intermediate_size=32,
+                  layers=tuple(0 < i < 4 for i in range(7))))
+ARCHS = {"glm45_air": (GLM_AIR, TINY), "deepseek_v3": (DEEPSEEK_V3, DEEPSEEK_TINY),
+         "mimo_v2_flash": (MIMO_V2_FLASH, MIMO_TINY)}
+K = 1  # GLM-4.5 and DeepSeek-V3 publish one MTP layer: chain with K = 1 (MiMo-V2: 3)
 
 
 def log(*a):
@@ -219,7 +253,9 @@ def bench_batch(model, b, ctx, steps, qs, dtype, mesh, acceptance, bw, sizes):
     dense_b, expert_b, mtp_b = sizes
     max_len = ctx + steps * (max(qs) + 1) * 4 + 64
     eng = EngineConfig(max_batch=b, max_model_len=max_len, page_size=16, prefill_chunk=16)
-    progs = bench_programs(model, eng, dtype, mesh, k=K)
+    k = cfg.num_mtp_modules
+    methods = ("none", "chain") + (("per_step",) if k > 1 else ())
+    progs = bench_programs(model, eng, dtype, mesh, k=k, methods=methods)
     layout = progs["chain"].static.layout
     p = model.params
 
@@ -243,7 +279,7 @@ def bench_batch(model, b, ctx, steps, qs, dtype, mesh, acceptance, bw, sizes):
         del holder
     loops = [(f"verify{q}_ms", verify_loop(model, layout, b, q, mesh, spread=True))
              for q in qs] + [("draft_ms", draft_loop(model, layout, b, dtype, mesh, spread=True,
-                                                     k=K))]
+                                                     k=k))]
     for name, fn in loops:
         st = fresh("chain")
         caches, st = st.caches, st.replace(caches=())
@@ -260,14 +296,20 @@ def bench_batch(model, b, ctx, steps, qs, dtype, mesh, acceptance, bw, sizes):
     # experts its shard holds, its KV heads); the step waits for the busiest GPU.
     ep, tp = axis_size(mesh, "ep"), axis_size(mesh, "tp")
     moe_layers = sum(cfg.layer_spec(i).is_moe for i in range(cfg.num_layers))
-    heads, dims, latent = cache_entry(cfg)  # a latent row is replicated over tp
-    kv_heads = heads // tp if heads % tp == 0 and not latent else heads
-    kv_tok = cfg.num_layers * (1 if latent else 2) * kv_heads * dims * jnp.dtype(
-        dtype).itemsize
+    def kv_bytes(layers):  # what b slots at context ctx read of these layers' KV
+        total = 0
+        for i in layers:
+            heads, dims, v_dims, latent = cache_entry(cfg, i)  # a latent row: replicated
+            kv_heads = heads // tp if heads % tp == 0 and not latent else heads
+            window = cfg.layer_spec(i).attention.window
+            total += kv_heads * (dims + v_dims) * min(ctx, window or ctx)
+        return b * total * jnp.dtype(dtype).itemsize
+
+    kv_target = kv_bytes(range(cfg.num_layers))
 
     def step_bytes(n_tokens):
         distinct, busiest = distinct_experts(model, n_tokens, ep)
-        return distinct, dense_b + moe_layers * busiest * expert_b + b * ctx * kv_tok
+        return distinct, dense_b + moe_layers * busiest * expert_b + kv_target
 
     row["distinct_experts"], plain_bytes = step_bytes(b)
     row["plain_bytes_per_gpu_gb"] = plain_bytes / 1e9
@@ -280,23 +322,49 @@ def bench_batch(model, b, ctx, steps, qs, dtype, mesh, acceptance, bw, sizes):
         row[f"verify{q}_bytes_ratio"] = vb / plain_bytes
         row[f"verify{q}_expert_ratio"] = dq / row["distinct_experts"]
         row[f"verify{q}_pct_of_limit"] = vb / bw * 1e3 / row[f"verify{q}_ms"] * 100
-    _, draft_experts = distinct_experts(model, b * (K + 1), ep)
-    draft_bytes = mtp_b + draft_experts * expert_b + b * ctx * kv_tok / cfg.num_layers
+    mtp_layers = range(cfg.num_layers, cfg.num_layers_total)
+    moe_mtp = sum(cfg.layer_spec(i).is_moe for i in mtp_layers)
+    draft_experts = distinct_experts(model, b * (k + 1), ep)[1] if moe_mtp else 0
+    # k modules over a k+1 window: their weights, the routed experts, their KV; modules
+    # without a head of their own read the target lm_head once each.
+    head_b = 0 if cfg.mtp_own_head else lm_head_bytes(model)
+    draft_bytes = (mtp_b + k * head_b + moe_mtp * draft_experts * expert_b
+                   + kv_bytes(mtp_layers))
     row["draft_limit_ms"] = draft_bytes / bw * 1e3
     row["draft_pct_of_limit"] = row["draft_limit_ms"] / row["draft_ms"] * 100
     row["chain_vs_plain"] = row["chain_step_ms"] / row["none_step_ms"]
-    if acceptance:
-        row["projected_speedup"] = (1 + acceptance[0]) * row["none_step_ms"] / row[
-            "chain_step_ms"]
-    row["oracle_speedup"] = (K + 1) * row["none_step_ms"] / row["chain_step_ms"]
+    for mth in methods[1:]:
+        acc = (acceptance or {}).get(mth)
+        if acc:  # expected tokens per step at the shipped model's acceptance per depth
+            key = "projected_speedup" if mth == "chain" else f"{mth}_projected_speedup"
+            row[key] = (1 + sum(acc[:k])) * row["none_step_ms"] / row[f"{mth}_step_ms"]
+    row["oracle_speedup"] = (k + 1) * row["none_step_ms"] / row["chain_step_ms"]
     return row
 
 
+def lm_head_bytes(model: Model) -> int:
+    head = model.params["target"]["lm_head"]
+    arr = (model.params["target"]["embed"] if head is None else head).get_value()
+    return arr.addressable_shards[0].data.nbytes
+
+
+def sub_config(cfg: ModelConfig, num_layers: int) -> ModelConfig:
+    """The config cut to its first `num_layers` target layers; the MTP layers keep their
+    specs (per-layer facts of the layers cut away are dropped)."""
+    keep = list(range(num_layers)) + list(range(cfg.num_layers, cfg.num_layers_total))
+    per_layer = {f: tuple(getattr(cfg, f)[i] for i in keep) for f in PER_LAYER_FIELDS
+                 if getattr(cfg, f)}
+    moe = cfg.moe
+    if moe is not None and moe.layers:
+        moe = dataclasses.replace(moe, layers=tuple(moe.layers[i] for i in keep))
+    return dataclasses.replace(cfg, num_layers=num_layers, moe=moe,
+                               sliding_windows=cfg.sliding_windows[:num_layers], **per_layer)
+
+
 def sub_model(model: Model, num_layers: int) -> Model:
-    """The same weights cut to the first `num_layers` target layers (plus the MTP layer,
-    which keeps its spec: MoE either way); no array is copied."""
-    cfg = dataclasses.replace(model.config, num_layers=num_layers,
-                              sliding_windows=model.config.sliding_windows[:num_layers])
+    """The same weights cut to the first `num_layers` target layers (plus the MTP layers,
+    which keep their specs); no array is copied."""
+    cfg = sub_config(model.config, num_layers)
     graphdef, state = nnx.split(abstract_model(cfg, model.dtype))
     flat = {tuple(p): v for p, v in model.params.flat_state()}
     for path, var in state.flat_state():
@@ -312,8 +380,8 @@ def extrapolate(lo: dict, hi: dict, layers: int, qs) -> dict:
     number of MoE layers (linear in the layer count; the draft does not change)."""
     n_lo, n_hi = lo["layers"], hi["layers"]
     out = dict(batch=hi["batch"], ctx=hi["ctx"], layers=layers, extrapolated=True)
-    keys = ("none_step_ms", "chain_step_ms") + tuple(f"verify{q}_ms" for q in qs) + (
-        "plain_limit_ms",)
+    keys = tuple(k for k in ("none_step_ms", "chain_step_ms", "per_step_step_ms") if k in hi)
+    keys += tuple(f"verify{q}_ms" for q in qs) + ("plain_limit_ms",)
     for k in keys:
         per_layer = (hi[k] - lo[k]) / (n_hi - n_lo)
         out[k] = hi[k] + (layers - n_hi) * per_layer
@@ -326,17 +394,20 @@ def extrapolate(lo: dict, hi: dict, layers: int, qs) -> dict:
         out[f"verify{q}_ratio"] = out[f"verify{q}_ms"] / out["none_step_ms"]
         out[f"verify{q}_expert_ratio"] = hi[f"verify{q}_expert_ratio"]
     out["chain_vs_plain"] = out["chain_step_ms"] / out["none_step_ms"]
-    if "projected_speedup" in hi:
-        a1 = hi["projected_speedup"] * hi["chain_step_ms"] / hi["none_step_ms"] - 1
-        out["projected_speedup"] = (1 + a1) * out["none_step_ms"] / out["chain_step_ms"]
+    for key, step in (("projected_speedup", "chain_step_ms"),
+                      ("per_step_projected_speedup", "per_step_step_ms")):
+        if key in hi:  # the same expected tokens per step over the extrapolated times
+            tokens = hi[key] * hi[step] / hi["none_step_ms"]
+            out[key] = tokens * out["none_step_ms"] / out[step]
     return out
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--arch", default="glm45_air", choices=("glm45_air", "deepseek_v3"))
+    ap.add_argument("--arch", default="glm45_air", choices=tuple(ARCHS))
     ap.add_argument("--slices", default="1,3",
-                    help="deepseek_v3: MoE layer counts of the slices timed (two or more)")
+                    help="deepseek_v3 / mimo_v2_flash: MoE layer counts of the slices timed "
+                    "(two or more)")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--qs", default="2,4", help="verify widths K+1 to time")
@@ -346,19 +417,20 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke run)")
     args = ap.parse_args(argv)
     slices = sorted(int(x) for x in args.slices.split(","))
-    if args.arch == "deepseek_v3":
-        base = DEEPSEEK_TINY if args.tiny else DEEPSEEK_V3
-        full_layers = base["num_layers"]
-        dense = base["moe"].first_dense
-        cfg = ModelConfig(**dict(base, num_layers=dense + slices[-1]))
-    else:
-        cfg = ModelConfig(**(TINY if args.tiny else GLM_AIR))
+    base = ARCHS[args.arch][1 if args.tiny else 0]
+    sliced = args.arch != "glm45_air"
+    full_layers = base["num_layers"]
+    cfg = ModelConfig(**base)
+    dense = next(i for i in range(full_layers) if cfg.layer_spec(i).is_moe)
+    if sliced:
+        cfg = sub_config(cfg, dense + slices[-1])
     dtype = jnp.dtype(cfg.dtype)
     acceptance = None
     if os.path.exists(args.acceptance):
         with open(args.acceptance) as f:
-            acceptance = json.load(f)["chain"]["acceptance_per_depth"]
-        log(f"shipped-model acceptance per depth (chain): {acceptance}")
+            acceptance = {m: r["acceptance_per_depth"] for m, r in json.load(f).items()
+                          if isinstance(r, dict) and r.get("acceptance_per_depth")}
+        log(f"shipped-model acceptance per depth: {acceptance}")
     log(f"devices {[d.device_kind for d in jax.devices()]}, jax {jax.__version__}")
     bw = copy_bandwidth() if jax.default_backend() == "gpu" else {"cpu": 1e10}
     best_bw = max(bw.values())
@@ -373,7 +445,7 @@ def main(argv=None):
         f"tp={axis_size(mesh, 'tp')}")
     out = os.environ.get("OUT")
     qs = [int(q) for q in args.qs.split(",")]
-    models = [model] if args.arch != "deepseek_v3" else [
+    models = [model] if not sliced else [
         model if m == slices[-1] else sub_model(model, dense + m) for m in slices]
     rows = []
     for b in [int(x) for x in args.batches.split(",")]:

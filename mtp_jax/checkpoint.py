@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import struct
 from typing import Any, Callable, Optional
 
@@ -241,31 +242,38 @@ def _vector(path, name, dim):
     return Entry(path, (name,), ((dim,),), lambda a: np.asarray(a[0]), lambda p: [np.asarray(p)])
 
 
-def _block_entries(cfg: ModelConfig, layer: int, path: tuple, prefix: str) -> list[Entry]:
+def _block_entries(cfg: ModelConfig, layer: int, path: tuple, prefix: str, *,
+                   post_attn_norm: str = "post_attention_layernorm") -> list[Entry]:
     """Attention and FFN tensors of one decoder layer (target or MTP), from its spec."""
     spec = cfg.layer_spec(layer)
     att = spec.attention
+    d = cfg.hidden_size
+    es = [_vector(path + ("input_norm", "weight"), prefix + "input_layernorm.weight", d),
+          _vector(path + ("post_attn_norm", "weight"), prefix + post_attn_norm + ".weight", d)]
     if att.kind == "mla":
-        es = [_vector(path + ("input_norm", "weight"), prefix + "input_layernorm.weight",
-                      cfg.hidden_size),
-              _vector(path + ("post_attn_norm", "weight"),
-                      prefix + "post_attention_layernorm.weight", cfg.hidden_size)]
-        es += _mla_entries(att, cfg.hidden_size, path + ("attn",), prefix + "self_attn.")
-        return es + _ffn_entries(spec, cfg.hidden_size, path, prefix)
-    d, k, g, h = cfg.hidden_size, att.num_kv_heads, att.group_size, att.head_dim
-    n = k * g
-    a = prefix + "self_attn."
+        es += _mla_entries(att, d, path + ("attn",), prefix + "self_attn.")
+    else:
+        es += _gqa_entries(att, cfg.layout, d, path + ("attn",), prefix + "self_attn.")
+    return es + _ffn_entries(cfg.layout, spec, d, path, prefix)
 
-    def join_qkv(arrs):  # q [n*h, d], k [k*h, d], v [k*h, d] -> [d, k, g+2, h]
-        q, kk, v = (np.asarray(x) for x in arrs)
-        q = q.reshape(k, g, h, d)
-        w = np.concatenate([q, kk.reshape(k, 1, h, d), v.reshape(k, 1, h, d)], axis=1)
-        return np.ascontiguousarray(w.transpose(3, 0, 1, 2))
+
+def _gqa_entries(att, layout: str, d: int, path: tuple, a: str) -> list[Entry]:
+    """q/k/v/o projections (fused as model.Attention lays them out), biases, q/k norms,
+    the head-wise gate `g_proj` and the sink logits of a GQA layer."""
+    k, g, h, u = att.num_kv_heads, att.group_size, att.head_dim, att.v_dim
+    n = k * g
+    fused = u == h  # v in the same parameter as q and k
+
+    def join_qkv(arrs):  # q [n*h, d], k [k*h, d](, v [k*h, d]) -> [d, k, g+2 (g+1), h]
+        q, kk, *v = (np.asarray(x) for x in arrs)
+        parts = [q.reshape(k, g, h, d), kk.reshape(k, 1, h, d)] + [
+            x.reshape(k, 1, h, d) for x in v]
+        return np.ascontiguousarray(np.concatenate(parts, axis=1).transpose(3, 0, 1, 2))
 
     def split_qkv(p):
-        w = np.asarray(p).transpose(1, 2, 3, 0)  # [k, g+2, h, d]
-        return [w[:, :g].reshape(n * h, d), w[:, g].reshape(k * h, d),
-                w[:, g + 1].reshape(k * h, d)]
+        w = np.asarray(p).transpose(1, 2, 3, 0)  # [k, g+2 (g+1), h, d]
+        out = [w[:, :g].reshape(n * h, d), w[:, g].reshape(k * h, d)]
+        return out + ([w[:, g + 1].reshape(k * h, d)] if fused else [])
 
     def join_bias(arrs):
         q, kk, v = (np.asarray(x) for x in arrs)
@@ -275,28 +283,41 @@ def _block_entries(cfg: ModelConfig, layer: int, path: tuple, prefix: str) -> li
         p = np.asarray(p)
         return [p[:, :g].reshape(n * h), p[:, g].reshape(k * h), p[:, g + 1].reshape(k * h)]
 
-    es = [
-        _vector(path + ("input_norm", "weight"), prefix + "input_layernorm.weight", d),
-        Entry(path + ("attn", "qkv"), (a + "q_proj.weight", a + "k_proj.weight",
-                                       a + "v_proj.weight"),
-              ((n * h, d), (k * h, d), (k * h, d)), join_qkv, split_qkv),
-        Entry(path + ("attn", "o"), (a + "o_proj.weight",), ((d, n * h),),
-              lambda arrs: np.ascontiguousarray(np.asarray(arrs[0]).T.reshape(n, h, d)),
-              lambda p: [_t(np.asarray(p).reshape(n * h, d))]),
-        _vector(path + ("post_attn_norm", "weight"), prefix + "post_attention_layernorm.weight",
-                d),
-    ]
+    proj = ("q_proj", "k_proj", "v_proj") if fused else ("q_proj", "k_proj")
+    es = [Entry(path + ("qkv" if fused else "qk",), tuple(a + x + ".weight" for x in proj),
+                ((n * h, d), (k * h, d), (k * h, d))[: len(proj)], join_qkv, split_qkv),
+          Entry(path + ("o",), (a + "o_proj.weight",), ((d, n * u),),
+                lambda arrs: np.ascontiguousarray(np.asarray(arrs[0]).T.reshape(n, u, d)),
+                lambda p: [_t(np.asarray(p).reshape(n * u, d))])]
+    if not fused:
+        es.append(Entry(path + ("v",), (a + "v_proj.weight",), ((k * u, d),),
+                        lambda arrs: np.ascontiguousarray(_t(arrs[0]).reshape(d, k, u)),
+                        lambda p: [_t(np.asarray(p).reshape(d, k * u))]))
     if att.qkv_bias:
-        es.append(Entry(path + ("attn", "qkv_bias"),
-                        (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"),
+        es.append(Entry(path + ("qkv_bias",), (a + "q_proj.bias", a + "k_proj.bias",
+                                              a + "v_proj.bias"),
                         ((n * h,), (k * h,), (k * h,)), join_bias, split_bias))
     if att.qk_norm:
-        es.append(_vector(path + ("attn", "q_norm", "weight"), a + "q_norm.weight", h))
-        es.append(_vector(path + ("attn", "k_norm", "weight"), a + "k_norm.weight", h))
-    return es + _ffn_entries(spec, d, path, prefix)
+        es.append(_vector(path + ("q_norm", "weight"), a + "q_norm.weight", h))
+        es.append(_vector(path + ("k_norm", "weight"), a + "k_norm.weight", h))
+    if att.gate:  # Step-3.5 g_proj [n, d] -> [d, k, g]
+        es.append(Entry(path + ("gate",), (a + "g_proj.weight",), ((n, d),),
+                        lambda arrs: np.ascontiguousarray(_t(arrs[0]).reshape(d, k, g)),
+                        lambda p: [_t(np.asarray(p).reshape(d, n))]))
+    if att.sinks:  # MiMo-V2 attention_sink_bias [n] -> [k, g]
+        es.append(Entry(path + ("sinks",), (a + SINK_NAMES[layout],), ((n,),),
+                        lambda arrs: np.asarray(arrs[0]).reshape(k, g),
+                        lambda p: [np.asarray(p).reshape(n)]))
+    return es
 
 
-def _ffn_entries(spec, d: int, path: tuple, prefix: str) -> list[Entry]:
+# The published name of the per-head sink logits.
+SINK_NAMES = {"mimo_v2_flash": "attention_sink_bias"}
+
+
+def _ffn_entries(layout: str, spec, d: int, path: tuple, prefix: str) -> list[Entry]:
+    if spec.is_moe and layout == "step3p5":
+        return _stacked_moe_entries(spec.ffn, d, path + ("mlp",), prefix)
     if spec.is_moe:
         return _moe_entries(spec.ffn, d, path + ("mlp",), prefix + "mlp.")
     return _swiglu_entries(d, spec.ffn.intermediate_size, path + ("mlp",), prefix + "mlp.")
@@ -434,9 +455,45 @@ def _moe_entries(moe, d: int, path: tuple, prefix: str) -> list[Entry]:
     ]
     if moe.score_bias:
         es.append(_vector(path + ("router_bias",), prefix + "gate.e_score_correction_bias", e_n))
-    if moe.num_shared:
-        es += _swiglu_entries(d, f * moe.num_shared, path + ("shared",),
+    if moe.shared_size:
+        es += _swiglu_entries(d, moe.shared_size, path + ("shared",),
                               prefix + "shared_experts.")
+    return es
+
+
+def _stacked_moe_entries(moe, d: int, path: tuple, prefix: str) -> list[Entry]:
+    """Step-3.5's MoE tensors: the experts stacked per layer, `moe.{gate,up}_proj.weight`
+    [e, f, d] and `moe.down_proj.weight` [e, d, f], the router `moe.gate.weight` and its
+    `moe.router_bias`, the shared expert `share_expert.*` beside `moe.` (not inside)."""
+    e_n, f = moe.num_experts, moe.intermediate_size
+    m = prefix + "moe."
+
+    def gate_up_slice(arrs, index, dtype=None):  # parameter [e, d, 2, f]
+        esl, dsl, csl, fsl = index
+        parts = [np.asarray(arrs[c][esl, fsl, dsl]) for c in (0, 1)[csl]]
+        out = np.stack([p.transpose(0, 2, 1) for p in parts], axis=2)
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    def down_slice(arrs, index, dtype=None):  # parameter [e, f, d] from [e, d, f]
+        esl, fsl, dsl = index
+        out = np.asarray(arrs[0][esl, dsl, fsl]).transpose(0, 2, 1)
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    full4, full3 = (slice(None),) * 4, (slice(None),) * 3
+    es = [
+        _linear(path + ("router",), m + "gate.weight", e_n, d),
+        Entry(path + ("experts_gate_up",), (m + "gate_proj.weight", m + "up_proj.weight"),
+              ((e_n, f, d), (e_n, f, d)), lambda arrs: gate_up_slice(arrs, full4),
+              lambda p: [np.ascontiguousarray(np.asarray(p)[:, :, c].transpose(0, 2, 1))
+                         for c in (0, 1)], gate_up_slice),
+        Entry(path + ("experts_down",), (m + "down_proj.weight",), ((e_n, d, f),),
+              lambda arrs: down_slice(arrs, full3),
+              lambda p: [np.ascontiguousarray(np.asarray(p).transpose(0, 2, 1))], down_slice),
+    ]
+    if moe.score_bias:
+        es.append(_vector(path + ("router_bias",), m + "router_bias", e_n))
+    if moe.shared_size:
+        es += _swiglu_entries(d, moe.shared_size, path + ("shared",), prefix + "share_expert.")
     return es
 
 
@@ -464,15 +521,27 @@ def hf_key_map(cfg: ModelConfig) -> list[Entry]:
             es += mtp_input(path + ("input",), p + "token_layernorm.weight",
                             p + "hidden_layernorm.weight", p + "input_proj.weight",
                             p + "final_layernorm.weight")
-        elif cfg.layout in ("deepseek_v3", "glm4_moe", "step3p5"):
+        elif cfg.layout in ("deepseek_v3", "glm4_moe"):
             p = f"model.layers.{cfg.num_layers + k}."
             es += mtp_input(path + ("input",), p + "enorm.weight", p + "hnorm.weight",
                             p + "eh_proj.weight", p + "shared_head.norm.weight")
+        elif cfg.layout == "step3p5":  # the head under `transformer.shared_head`
+            p = f"model.layers.{cfg.num_layers + k}."
+            es += mtp_input(path + ("input",), p + "enorm.weight", p + "hnorm.weight",
+                            p + "eh_proj.weight", p + "transformer.shared_head.norm.weight")
+        elif cfg.layout == "mimo_v2_flash":
+            p = f"model.mtp.layers.{k}."
+            es += mtp_input(path + ("input",), p + "enorm.weight", p + "hnorm.weight",
+                            p + "eh_proj.weight", p + "final_layernorm.weight")
         else:  # qwen3_next
             p = f"mtp.layers.{k}."
-        es += _block_entries(cfg, cfg.num_layers + k, path + ("block",), p)
+        # MiMo-V2's MTP block names its post-attention norm pre_mlp_layernorm.
+        post = "pre_mlp_layernorm" if cfg.layout == "mimo_v2_flash" else "post_attention_layernorm"
+        es += _block_entries(cfg, cfg.num_layers + k, path + ("block",), p, post_attn_norm=post)
         if cfg.mtp_own_head:
-            es.append(_linear(path + ("head",), p + "shared_head.head.weight", v, d))
+            head = ("transformer.shared_head.output.weight" if cfg.layout == "step3p5"
+                    else "shared_head.head.weight")
+            es.append(_linear(path + ("head",), p + head, v, d))
         if cfg.mtp_own_embed:
             es.append(Entry(path + ("embed",), (p + "embed_tokens.weight",), ((v, d),),
                             lambda a: np.asarray(a[0]), lambda q: [np.asarray(q)]))
@@ -573,8 +642,10 @@ def load_hf(path: str, *, dtype=None, config: Optional[ModelConfig] = None,
             if name in found:
                 dup.setdefault(name, [found[name][0]]).append(fpath)
             found[name] = (fpath, 8 + n, entry)
+    found = _canonical_names(cfg.layout, found)
     if config is None:
         cfg = _mtp_tensors_present(cfg, found)
+        cfg = _count_mtp_layers(path, cfg, found)
     fp8, problems = check_fp8(cfg, found)
     scale_of = {w: found.pop(sc) for w, sc in fp8.items()}
     entries = hf_key_map(cfg)
@@ -633,6 +704,46 @@ def _mtp_tensors_present(cfg: ModelConfig, found: dict) -> ModelConfig:
     return dataclasses.replace(
         cfg, mtp_own_embed=all(p + "embed_tokens.weight" in found for p in layers),
         mtp_own_head=all(p + "shared_head.head.weight" in found for p in layers))
+
+
+# Other spellings of published tensor names, rewritten to the one hf_key_map uses:
+# Step-3.5's MTP head with or without the `transformer.` level (vLLM accepts both), and
+# MiMo-V2's sinks under transformers' name.
+_ALIASES = {
+    "step3p5": [(re.compile(r"^(model\.layers\.\d+\.)shared_head\."),
+                 r"\1transformer.shared_head.")],
+    "mimo_v2_flash": [(re.compile(r"\.self_attn\.sinks$"), ".self_attn.attention_sink_bias")],
+}
+
+
+def _canonical_names(layout: str, found: dict) -> dict:
+    rules = _ALIASES.get(layout)
+    if not rules:
+        return found
+    out = {}
+    for name, where in found.items():
+        for pattern, repl in rules:
+            name = pattern.sub(repl, name)
+        if name in out:
+            raise CheckpointError(f"tensor {name} is stored twice (under two spellings)")
+        out[name] = where
+    return out
+
+
+def _count_mtp_layers(path: str, cfg: ModelConfig, found: dict) -> ModelConfig:
+    """MiMo-V2-Flash's config.json does not say how many MTP layers the checkpoint holds:
+    count the `model.mtp.layers.{k}.` prefixes (the strict check then wants each whole)."""
+    if cfg.layout != "mimo_v2_flash" or cfg.num_mtp_modules:
+        return cfg
+    with open(os.path.join(path, "config.json")) as f:
+        raw = json.load(f)
+    if "num_nextn_predict_layers" in raw:
+        return cfg
+    ks = {int(m.group(1)) for m in map(re.compile(r"^model\.mtp\.layers\.(\d+)\.").match,
+                                       found) if m}
+    if not ks:
+        return cfg
+    return ModelConfig.from_hf(raw, mtp_layers=max(ks) + 1)
 
 
 def _place(e: Entry, arrs, want, shardings, nonfinite: list):

@@ -33,8 +33,9 @@ import math
 import os
 from typing import Any, Optional
 
-LAYOUTS = ("mimo", "deepseek_v3", "glm4_moe", "qwen3_next", "step3p5")
-MOE_LAYOUTS = ("deepseek_v3", "glm4_moe")  # layouts whose loaders know expert tensors
+LAYOUTS = ("mimo", "deepseek_v3", "glm4_moe", "qwen3_next", "step3p5", "mimo_v2_flash")
+# layouts whose loaders know expert tensors
+MOE_LAYOUTS = ("deepseek_v3", "glm4_moe", "step3p5", "mimo_v2_flash")
 ROUTERS = ("sigmoid", "softmax")
 METHODS = ("none", "eagle", "per_step", "window", "chain")
 
@@ -98,6 +99,12 @@ class MoEConfig:
     num_shared: int = 0
     first_dense: int = 0
     layer_freq: int = 1
+    shared_intermediate_size: Optional[int] = None  # None: num_shared * intermediate_size
+    layers: tuple = ()  # explicit MoE flag per layer (target + MTP), overrides the pattern
+    # clamped SwiGLU (Step-3.5): min(silu(gate), L) * clip(up, -L, L); set per layer by
+    # specs.layer_spec from ModelConfig.swiglu_limits / swiglu_limits_shared
+    swiglu_limit: Optional[float] = None
+    shared_swiglu_limit: Optional[float] = None
 
     def __post_init__(self):
         if self.router not in ROUTERS:
@@ -118,12 +125,23 @@ class MoEConfig:
         if self.router == "softmax" and (self.n_group > 1 or self.score_bias):
             raise ConfigError("the softmax router is implemented without groups and without "
                               "e_score_correction_bias")
+        if self.shared_intermediate_size is not None and self.shared_intermediate_size < 0:
+            raise ConfigError("share_expert_dim must be >= 0")
         if not self.routed_scaling_factor > 0 or self.num_shared < 0 or self.first_dense < 0:
             raise ConfigError("routed_scaling_factor must be > 0, n_shared_experts and "
                               "first_k_dense_replace >= 0")
 
     def is_moe_layer(self, layer: int) -> bool:
+        if self.layers:
+            return layer < len(self.layers) and bool(self.layers[layer])
         return layer >= self.first_dense and layer % self.layer_freq == 0
+
+    @property
+    def shared_size(self) -> int:
+        """FFN width of the shared expert(s), 0 for none."""
+        if self.shared_intermediate_size is not None:
+            return self.shared_intermediate_size
+        return self.num_shared * self.intermediate_size
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -200,6 +218,20 @@ class ModelConfig:
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
     tie_word_embeddings: bool = False
     sliding_windows: tuple = ()  # per target layer: None or window size
+    # --- attention details (MiMo-V2-Flash, Step-3.5-Flash) ---
+    v_head_dim: Optional[int] = None  # value head dim when it differs from head_dim
+    attention_value_scale: float = 1.0  # values are v_proj(x) * this (MiMo-V2)
+    query_pre_attn_scalar: Optional[float] = None  # softmax scale is this ** -0.5
+    attention_gate: Optional[str] = None  # "head": sigmoid(x W_g) per query head (Step-3.5)
+    # --- per-layer facts over target + MTP layers (empty: the uniform value above) ---
+    layer_num_heads: tuple = ()
+    layer_num_kv_heads: tuple = ()
+    layer_rope_theta: tuple = ()
+    layer_partial_rotary: tuple = ()
+    layer_sinks: tuple = ()  # bool: the layer has per-head attention sink logits
+    layer_rope_scaled: tuple = ()  # bool: rope_scaling applies here (empty: every layer)
+    swiglu_limits: tuple = ()  # clamp of the routed experts' SwiGLU (None / 0: none)
+    swiglu_limits_shared: tuple = ()  # clamp of the shared expert's / dense MLP's SwiGLU
     # --- MTP ---
     num_mtp_modules: int = 0
     mtp_concat_order: str = "hidden_first"  # or "embed_first"
@@ -253,10 +285,42 @@ class ModelConfig:
             if any(w is not None for w in self.sliding_windows + self.mtp_sliding_windows):
                 raise ConfigError("sliding-window layers with MLA are not implemented (the "
                                   "paged MLA kernel attends over the full context)")
-        rot = self.rotary_dim
-        if rot % 2 or rot <= 0 or rot > self.head_dim:
-            raise ConfigError(f"partial_rotary_factor={self.partial_rotary_factor} gives an "
-                              f"invalid rotary dim {rot} for head_dim {self.head_dim}")
+        total = self.num_layers_total
+        defaults = {"layer_num_heads": self.num_heads, "layer_num_kv_heads": self.num_kv_heads,
+                    "layer_rope_theta": self.rope_theta,
+                    "layer_partial_rotary": self.partial_rotary_factor, "layer_sinks": False,
+                    "layer_rope_scaled": True, "swiglu_limits": 0, "swiglu_limits_shared": 0}
+        for name in PER_LAYER_FIELDS:
+            val = tuple(getattr(self, name))
+            if val and len(val) != total:
+                raise ConfigError(f"{name} has {len(val)} entries, expected {total} (target "
+                                  "+ MTP layers)")
+            # One spelling per model: entries equal to the uniform value are None, and a
+            # list of only those is empty (so configs compare equal however they were read).
+            val = tuple(None if v is None or v == defaults[name] else v for v in val)
+            object.__setattr__(self, name, () if all(v is None for v in val) else val)
+        for i in range(total):
+            heads, kv = self.heads_of(i)
+            if heads < 1 or kv < 1 or heads % kv:
+                raise ConfigError(f"layer {i}: {heads} attention heads are not a multiple of "
+                                  f"{kv} kv heads")
+            rot = self.rotary_dim_of(i)
+            if rot % 2 or rot <= 0 or rot > self.head_dim:
+                factor = _at(self.layer_partial_rotary, i, self.partial_rotary_factor)
+                raise ConfigError(f"layer {i}: partial_rotary_factor={factor} gives an invalid "
+                                  f"rotary dim {rot} for head_dim {self.head_dim}")
+        if self.v_head_dim is not None and self.v_head_dim < 1:
+            raise ConfigError(f"v_head_dim={self.v_head_dim} must be >= 1")
+        if self.v_head_dim not in (None, self.head_dim) and self.attention_bias:
+            raise ConfigError("attention_bias with a v_head_dim apart from head_dim is not "
+                              "implemented")
+        if self.attention_gate not in (None, "head"):
+            raise ConfigError(f"attention_gate={self.attention_gate!r}: only the head-wise "
+                              "gate (one sigmoid per query head) is implemented")
+        if self.mla is not None and (self.v_head_dim is not None or any(self.layer_sinks)
+                                     or self.attention_gate):
+            raise ConfigError("sinks, gates and a separate v_head_dim are GQA features; "
+                              "MLA has its own value dim")
 
     @property
     def group_size(self) -> int:
@@ -267,6 +331,24 @@ class ModelConfig:
         if self.mla is not None:
             return self.mla.qk_rope_dim
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def heads_of(self, layer: int) -> tuple[int, int]:
+        """(query heads, kv heads) of a layer (target layers, then MTP layers)."""
+        return (_at(self.layer_num_heads, layer, self.num_heads),
+                _at(self.layer_num_kv_heads, layer, self.num_kv_heads))
+
+    def rope_theta_of(self, layer: int) -> float:
+        return float(_at(self.layer_rope_theta, layer, self.rope_theta))
+
+    def rotary_dim_of(self, layer: int) -> int:
+        if self.mla is not None:
+            return self.mla.qk_rope_dim
+        return int(self.head_dim * _at(self.layer_partial_rotary, layer,
+                                       self.partial_rotary_factor))
+
+    @property
+    def v_dim(self) -> int:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
     @property
     def num_layers_total(self) -> int:
@@ -281,7 +363,8 @@ class ModelConfig:
         return layer_spec(self, layer)
 
     def block_params(self, layer: int) -> int:
-        d, hd, n = self.hidden_size, self.head_dim, self.num_heads
+        d, hd = self.hidden_size, self.head_dim
+        n, kv = self.heads_of(layer)
         if self.mla is not None:
             m = self.mla
             q = d * n * hd if m.q_lora_rank is None else (
@@ -289,13 +372,16 @@ class ModelConfig:
             attn = q + d * m.cache_dim + m.kv_lora_rank
             attn += m.kv_lora_rank * n * (m.qk_nope_dim + m.v_head_dim) + n * m.v_head_dim * d
         else:
-            attn = d * (n + 2 * self.num_kv_heads) * hd + n * hd * d
-            attn += (n + 2 * self.num_kv_heads) * hd if self.attention_bias else 0
+            vd = self.v_dim
+            attn = d * ((n + kv) * hd + kv * vd) + n * vd * d
+            attn += (n + 2 * kv) * hd if self.attention_bias else 0
             attn += 2 * hd if self.qk_norm else 0
+            attn += d * n if self.attention_gate else 0
+            attn += n if _at(self.layer_sinks, layer, False) else 0
         moe = self.moe
         if moe is not None and moe.is_moe_layer(layer):
             ffn = moe.num_experts * (3 * d * moe.intermediate_size + 1) + d * moe.num_experts
-            ffn += 3 * d * moe.intermediate_size * moe.num_shared
+            ffn += 3 * d * moe.shared_size
         else:
             ffn = 3 * d * self.intermediate_size
         return attn + ffn + 2 * d
@@ -318,8 +404,11 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ HF import
     @classmethod
-    def from_hf(cls, path_or_dict: Any) -> "ModelConfig":
-        """Read an HF `config.json` (a path to the file or its folder, or the parsed dict)."""
+    def from_hf(cls, path_or_dict: Any, *, mtp_layers: Optional[int] = None) -> "ModelConfig":
+        """Read an HF `config.json` (a path to the file or its folder, or the parsed dict).
+
+        mtp_layers: the number of MTP layers where the config does not say (MiMo-V2-Flash
+        publishes none; the loader counts them in the checkpoint)."""
         if isinstance(path_or_dict, dict):
             raw = dict(path_or_dict)
         else:
@@ -335,11 +424,24 @@ class ModelConfig:
                     raise ConfigError(f"{path} is not valid JSON: {e}") from None
             if not isinstance(raw, dict):
                 raise ConfigError(f"{path} does not hold a JSON object")
-        return _from_hf_dict(raw)
+        return _from_hf_dict(raw, mtp_layers)
 
     def to_hf(self) -> dict:
         """The HF `config.json` dict for this config (used when exporting a checkpoint)."""
         return _to_hf_dict(self)
+
+
+# ModelConfig fields that hold one value per layer over target + MTP layers.
+PER_LAYER_FIELDS = ("layer_num_heads", "layer_num_kv_heads", "layer_rope_theta",
+                    "layer_partial_rotary", "layer_sinks", "layer_rope_scaled",
+                    "swiglu_limits", "swiglu_limits_shared")
+
+
+def _at(values: tuple, i: int, default):
+    """values[i], or `default` where the per-layer tuple is empty or holds None there."""
+    if not values or values[i] is None:
+        return default
+    return values[i]
 
 
 def _fill(values, n, name):
@@ -577,8 +679,11 @@ def _parse_moe(raw: dict, layout: str, get) -> Optional[MoEConfig]:
         raise ConfigError(f"config.json MoE fields: {e}") from None
 
 
-def _from_hf_dict(raw: dict) -> ModelConfig:
+def _from_hf_dict(raw: dict, mtp_layers: Optional[int] = None) -> ModelConfig:
     layout = _layout_of(raw)
+    extra: dict = {}
+    if layout in _TRANSLATE:  # published key styles that name things their own way
+        raw, extra = _TRANSLATE[layout](dict(raw), mtp_layers)
     used = set()
 
     def get(key, default=dataclasses.MISSING, *, alias=()):
@@ -736,9 +841,16 @@ def _from_hf_dict(raw: dict) -> ModelConfig:
         "qwen3_next": dict(qk_norm=True, norm_offset=1.0, mtp_concat_order="embed_first",
                            mtp_zero_embed_at_pos0=False, mtp_hidden_from="post_norm",
                            mtp_output_hidden="post_norm", mtp_shared_input=True),
-        "step3p5": dict(mtp_concat_order="embed_first", mtp_zero_embed_at_pos0=True,
+        # vLLM step3p5_mtp.py: no zeroing at position 0, the target's pre-norm hidden,
+        # each layer hands its pre-norm output to the next, a per-layer shared_head.
+        "step3p5": dict(mtp_concat_order="embed_first", mtp_zero_embed_at_pos0=False,
                         mtp_hidden_from="pre_norm", mtp_output_hidden="pre_norm",
-                        mtp_own_head=True),
+                        mtp_own_head=True, mtp_hidden_source="previous"),
+        # vLLM / SGLang mimo_v2 MTP: the target's normed hidden feeds every layer
+        # (non-chain), the layer's final_layernorm feeds the target lm_head.
+        "mimo_v2_flash": dict(mtp_concat_order="embed_first", mtp_zero_embed_at_pos0=False,
+                              mtp_hidden_from="post_norm", mtp_output_hidden="post_norm",
+                              mtp_hidden_source="target"),
     }[layout]
     if "attention_bias" in raw:
         per_layout["attention_bias"] = as_bool("attention_bias", False)
@@ -763,7 +875,304 @@ def _from_hf_dict(raw: dict) -> ModelConfig:
     if unknown:
         raise ConfigError(f"config.json has fields this engine does not understand: {unknown}; "
                           "they may change the model math, so loading stops here")
-    return ModelConfig(**common, **per_layout)
+    moe_updates = extra.pop("moe_updates", None)
+    if moe_updates and common["moe"] is not None:
+        try:
+            common["moe"] = dataclasses.replace(common["moe"], **moe_updates)
+        except ConfigError as e:
+            raise ConfigError(f"config.json MoE fields: {e}") from None
+    return ModelConfig(**{**common, **per_layout, **extra})
+
+
+# ------------------------------------------------- Step-3.5-Flash and MiMo-V2-Flash keys
+#
+# Both publish configs whose keys name things their own way and whose facts vary per layer.
+# A translator reads those keys (every one it honours or refuses is listed in its
+# docstring), leaves the generic keys the common parser reads, and returns the per-layer
+# ModelConfig fields. Per-layer lists run over target + MTP layers.
+
+
+def _flags(values, n, what) -> tuple:
+    if not isinstance(values, (list, tuple)) or len(values) != n:
+        raise ConfigError(f"config field {what} must be a list of {n} entries, got {values!r}")
+    return tuple(values)
+
+
+def _per_layer(raw, key, total, target, pad=None):
+    """A per-layer list over target + MTP layers (a list over target layers only is padded
+    with `pad` for the MTP layers); None when the key is absent."""
+    val = raw.pop(key, None)
+    if val is None:
+        return None
+    if not isinstance(val, list) or len(val) not in (total, target):
+        raise ConfigError(f"config field {key} must be a list of {total} (target + MTP) or "
+                          f"{target} entries, got {val!r}")
+    return tuple(val) + (pad,) * (total - len(val))
+
+
+def _limits(raw, key, total, target):
+    vals = _per_layer(raw, key, total, target, pad=0.0)
+    if vals is None:
+        return ()
+    for v in vals:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
+            raise ConfigError(f"config field {key} holds {v!r}: bounds are numbers >= 0 "
+                              "(0 or null: no clamp)")
+    return vals
+
+
+def _translate_step3p5(raw: dict, mtp_layers: Optional[int]):
+    """Step-3.5-Flash's published config (stepfun-ai/Step-3.5-Flash, vLLM step3p5.py).
+
+    Honoured: `num_attention_groups` (kv heads), `attention_other_setting` (head counts of
+    the sliding layers; its head_dim / true_head_dim must equal head_dim), `layer_types`
+    over target + MTP layers, `rope_theta` and `partial_rotary_factors` (one per layer,
+    or one value), `rope_scaling` limited to the layer kinds in `yarn_only_types`,
+    `use_head_wise_attn_gate`, `use_qk_norm`, `zero_centered` (norms scale by 1 + w),
+    `use_moe`, `moe_layers_enum` (or transformers' `mlp_layer_types`), `moe_num_experts`,
+    `moe_top_k`, `moe_intermediate_size`, `share_expert_dim`, `moe_router_activation`,
+    `moe_router_scaling_factor`, `norm_expert_weight`, `use_moe_router_bias`,
+    `swiglu_limits` (routed experts) and `swiglu_limits_shared` (shared expert and dense
+    MLP), `max_seq_len`. Accepted at their published values only: `att_impl_type` GQA,
+    `use_rope_layers` [] (every layer rotates), `sink` false, `moe_layer_offset` 0,
+    `moe_every_n_layer` 1 (the enum names the MoE layers), `need_fp32_gate` (the router
+    always runs in float32).
+    """
+    target = raw.get("num_hidden_layers")
+    num_mtp = raw.get("num_nextn_predict_layers", 0) if mtp_layers is None else mtp_layers
+    if not isinstance(target, int) or not isinstance(num_mtp, int):
+        return raw, {}  # the common parser names the bad field
+    total = target + num_mtp
+    extra: dict = {}
+    if "num_attention_groups" in raw:
+        groups = raw.pop("num_attention_groups")
+        if raw.setdefault("num_key_value_heads", groups) != groups:
+            raise ConfigError(f"num_attention_groups={groups} and num_key_value_heads="
+                              f"{raw['num_key_value_heads']} disagree")
+    impl = raw.pop("att_impl_type", "GQA")
+    if impl != "GQA":
+        raise ConfigError(f"config field att_impl_type={impl!r} is not supported (GQA)")
+    if raw.pop("use_rope_layers", None) not in _TRIVIAL:
+        raise ConfigError("config field use_rope_layers: layers without RoPE are not "
+                          "implemented (every layer rotates)")
+    if raw.pop("sink", False) not in _TRIVIAL:
+        raise ConfigError("config field sink=true (attention sinks in Step-3.5) is not "
+                          "implemented")
+    raw.pop("need_fp32_gate", None)
+    raw.pop("max_seq_len", None)
+    zc = raw.pop("zero_centered", True)
+    if not isinstance(zc, bool):
+        raise ConfigError(f"config field zero_centered={zc!r} must be true or false")
+    extra["norm_offset"] = 1.0 if zc else 0.0
+    gate = raw.pop("use_head_wise_attn_gate", False)
+    if not isinstance(gate, bool):
+        raise ConfigError(f"config field use_head_wise_attn_gate={gate!r} must be true or false")
+    extra["attention_gate"] = "head" if gate else None
+
+    types = raw.get("layer_types")
+    if isinstance(types, list) and len(types) == target:
+        types = types + ["full_attention"] * num_mtp
+    kinds = types if isinstance(types, list) and len(types) == total else None
+    other = raw.pop("attention_other_setting", None)
+    if other not in _TRIVIAL:
+        if not isinstance(other, dict):
+            raise ConfigError("config field attention_other_setting must be an object")
+        unknown = sorted(set(other) - {"attention_type", "num_attention_heads",
+                                       "num_attention_groups", "head_dim", "true_head_dim"})
+        if unknown:
+            raise ConfigError(f"attention_other_setting fields not understood: {unknown}")
+        kind = other.get("attention_type", "sliding_attention")
+        if kind != "sliding_attention":
+            raise ConfigError(f"attention_other_setting.attention_type={kind!r}: only the "
+                              "sliding layers may have other head counts")
+        head_dim = raw.get("head_dim")
+        for key in ("head_dim", "true_head_dim"):
+            if other.get(key, head_dim) != head_dim:
+                raise ConfigError(f"attention_other_setting.{key}={other[key]} differs from "
+                                  f"head_dim={head_dim}: not implemented")
+        if kinds is not None:
+            heads = other.get("num_attention_heads", raw.get("num_attention_heads"))
+            groups = other.get("num_attention_groups", raw.get("num_key_value_heads"))
+            extra["layer_num_heads"] = tuple(heads if t == kind else None for t in kinds)
+            extra["layer_num_kv_heads"] = tuple(groups if t == kind else None for t in kinds)
+    theta = raw.get("rope_theta")
+    if isinstance(theta, list):
+        thetas = _per_layer(raw, "rope_theta", total, target, pad=theta[-1] if theta else None)
+        raw["rope_theta"] = thetas[0]
+        extra["layer_rope_theta"] = tuple(float(t) for t in thetas)
+    partials = raw.get("partial_rotary_factors")
+    if partials is not None:
+        partials = _per_layer(raw, "partial_rotary_factors", total, target, pad=partials[-1])
+        extra["layer_partial_rotary"] = tuple(float(p) for p in partials)
+    only = raw.pop("yarn_only_types", None)
+    if only is not None and raw.get("rope_scaling") and kinds is not None:
+        extra["layer_rope_scaled"] = tuple(t in only for t in kinds)
+
+    # MoE: translated to the DeepSeek-style keys the common MoE parser reads.
+    use_moe = raw.pop("use_moe", None)
+    enum = raw.pop("moe_layers_enum", None)
+    mlp_types = raw.pop("mlp_layer_types", None)
+    if use_moe is False or (use_moe is None and raw.get("moe_num_experts") is None):
+        if enum not in _TRIVIAL or mlp_types not in _TRIVIAL:
+            raise ConfigError("moe_layers_enum / mlp_layer_types given with use_moe false")
+        return raw, extra
+    if enum not in _TRIVIAL:
+        items = enum.split(",") if isinstance(enum, str) else enum
+        try:
+            moe_set = {int(i) for i in items if str(i).strip()}
+        except (TypeError, ValueError):
+            raise ConfigError(f"config field moe_layers_enum={enum!r} must list layer "
+                              "numbers") from None
+        flags = tuple(i in moe_set for i in range(total))
+    elif mlp_types is not None:
+        flags = _flags(mlp_types, target, "mlp_layer_types")
+        flags = tuple(t == "sparse" for t in flags) + (False,) * num_mtp
+    else:
+        raise ConfigError("use_moe is set but moe_layers_enum (which layers are MoE) is not")
+    for key, trivial in (("moe_layer_offset", 0), ("moe_every_n_layer", 1)):
+        val = raw.pop(key, trivial)
+        if val != trivial:
+            raise ConfigError(f"config field {key}={val!r}: only {trivial} is supported "
+                              "(moe_layers_enum names the MoE layers)")
+    renames = {"moe_num_experts": "n_routed_experts", "moe_top_k": "num_experts_per_tok",
+               "norm_expert_weight": "norm_topk_prob",
+               "moe_router_scaling_factor": "routed_scaling_factor",
+               "moe_router_activation": "scoring_func"}
+    for old, new in renames.items():
+        if old in raw:
+            raw[new] = raw.pop(old)
+    bias = raw.pop("use_moe_router_bias", True)
+    raw["topk_method"] = "noaux_tc" if bias else "greedy"
+    share = raw.pop("share_expert_dim", 0)
+    if isinstance(share, bool) or not isinstance(share, int) or share < 0:
+        raise ConfigError(f"config field share_expert_dim={share!r} must be an integer >= 0")
+    extra["moe_updates"] = dict(layers=flags, shared_intermediate_size=share)
+    extra["swiglu_limits"] = _limits(raw, "swiglu_limits", total, target)
+    extra["swiglu_limits_shared"] = _limits(raw, "swiglu_limits_shared", total, target)
+    return raw, extra
+
+
+def _translate_mimo_v2(raw: dict, mtp_layers: Optional[int]):
+    """MiMo-V2-Flash's published config (XiaomiMiMo/MiMo-V2-Flash, vLLM / SGLang
+    mimo_v2_flash.py), and the form transformers' MiMoV2FlashConfig saves.
+
+    Published keys honoured: `hybrid_layer_pattern` (1: sliding layer), `sliding_window` /
+    `sliding_window_size`, `swa_num_attention_heads`, `swa_num_key_value_heads`,
+    `swa_rope_theta`, `v_head_dim`, `attention_value_scale`, `add_swa_attention_sink_bias`,
+    `add_full_attention_sink_bias`, `moe_layer_freq` (one 0/1 per target layer),
+    `layernorm_epsilon`; `swa_head_dim` / `swa_v_head_dim` must equal head_dim / v_head_dim;
+    `attention_chunk_size` is accepted when it equals the window (it is the window).
+    transformers' form: `layer_types`, `mlp_layer_types`, `rope_parameters` per layer type,
+    sliding layers with twice `num_key_value_heads` and sinks. The 3 MTP layers are
+    sliding layers (their kind's heads, theta and sinks) with a dense FFN; their number is
+    `num_nextn_predict_layers`, or, where the config leaves it out, counted from the
+    checkpoint's `model.mtp.layers.*` tensors by the loader.
+    """
+    target = raw.get("num_hidden_layers")
+    num_mtp = raw.get("num_nextn_predict_layers", 0) if mtp_layers is None else mtp_layers
+    if mtp_layers is not None:
+        raw["num_nextn_predict_layers"] = mtp_layers
+    if not isinstance(target, int) or not isinstance(num_mtp, int):
+        return raw, {}
+    total = target + num_mtp
+    extra: dict = {}
+    if "layernorm_epsilon" in raw:
+        raw.setdefault("rms_norm_eps", raw.pop("layernorm_epsilon"))
+    window = raw.pop("sliding_window_size", None)
+    if window is not None and raw.setdefault("sliding_window", window) != window:
+        raise ConfigError(f"sliding_window={raw['sliding_window']} and sliding_window_size="
+                          f"{window} disagree")
+    chunk = raw.pop("attention_chunk_size", None)
+    if chunk not in (None, raw.get("sliding_window")):
+        raise ConfigError(f"config field attention_chunk_size={chunk} differs from the "
+                          "sliding window: chunked attention is not implemented")
+    pattern = raw.pop("hybrid_layer_pattern", None)
+    hf_form = pattern is None
+    if pattern is not None:
+        pattern = _flags(pattern, target, "hybrid_layer_pattern")
+        sliding = tuple(bool(p) for p in pattern)
+    else:
+        types = raw.get("layer_types")
+        if types is None:  # transformers' default: full at layer 0 and every 6th
+            types = ["full_attention" if i == 0 or not (i + 1) % 6 else "sliding_attention"
+                     for i in range(target)]
+        sliding = tuple(t == "sliding_attention" for t in _flags(types, target, "layer_types"))
+    raw.pop("layer_types", None)
+    sliding = sliding + (True,) * num_mtp  # the MTP layers are sliding-window layers
+    raw["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    heads = raw.get("num_attention_heads")
+    kv = raw.get("num_key_value_heads")
+    if hf_form:
+        swa_heads, swa_kv = heads, None if kv is None else 2 * kv
+    else:
+        swa_heads = raw.pop("swa_num_attention_heads", heads)
+        swa_kv = raw.pop("swa_num_key_value_heads", kv)
+    for key, full in (("swa_head_dim", raw.get("head_dim")),
+                      ("swa_v_head_dim", raw.get("v_head_dim"))):
+        val = raw.pop(key, full)
+        if val != full:
+            raise ConfigError(f"config field {key}={val} differs from the full layers' "
+                              f"{full}: not implemented")
+    extra["layer_num_heads"] = tuple(swa_heads if s else None for s in sliding)
+    extra["layer_num_kv_heads"] = tuple(swa_kv if s else None for s in sliding)
+    v_dim = raw.pop("v_head_dim", None)
+    if v_dim is not None:
+        if isinstance(v_dim, bool) or not isinstance(v_dim, int) or v_dim < 1:
+            raise ConfigError(f"config field v_head_dim={v_dim!r} must be an integer >= 1")
+        extra["v_head_dim"] = v_dim
+    scale = raw.pop("attention_value_scale", None)
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+            raise ConfigError(f"config field attention_value_scale={scale!r} must be > 0")
+        extra["attention_value_scale"] = float(scale)
+    swa_sinks = raw.pop("add_swa_attention_sink_bias", hf_form)
+    full_sinks = raw.pop("add_full_attention_sink_bias", False)
+    if not isinstance(swa_sinks, bool) or not isinstance(full_sinks, bool):
+        raise ConfigError("add_swa_attention_sink_bias / add_full_attention_sink_bias must be "
+                          "true or false")
+    extra["layer_sinks"] = tuple(swa_sinks if s else full_sinks for s in sliding)
+    # RoPE: theta per layer kind; the rotary fraction is shared.
+    theta = raw.get("rope_theta", 10000.0)
+    swa_theta = raw.pop("swa_rope_theta", theta)
+    params = raw.pop("rope_parameters", None)
+    if isinstance(params, dict) and {"full_attention", "sliding_attention"} & set(params):
+        per = {}
+        for kind in ("full_attention", "sliding_attention"):
+            p = params.get(kind) or {}
+            if p.get("rope_type", "default") != "default":
+                raise ConfigError(f"rope_parameters.{kind}.rope_type={p['rope_type']!r}: "
+                                  "only default RoPE is implemented for MiMo-V2-Flash")
+            per[kind] = p
+        theta = per["full_attention"].get("rope_theta", theta)
+        swa_theta = per["sliding_attention"].get("rope_theta", swa_theta)
+        factors = {per[k].get("partial_rotary_factor") for k in per} - {None}
+        if len(factors) > 1:
+            raise ConfigError(f"rope_parameters give different partial_rotary_factor per "
+                              f"layer kind {sorted(factors)}: not implemented")
+        if factors:
+            raw["partial_rotary_factor"] = factors.pop()
+    elif params is not None:
+        raw["rope_parameters"] = params
+    raw["rope_theta"] = theta
+    extra["layer_rope_theta"] = tuple(float(swa_theta if s else theta) for s in sliding)
+    # MoE layers: one flag per target layer; the MTP layers are dense.
+    freq = raw.pop("moe_layer_freq", None)
+    mlp_types = raw.pop("mlp_layer_types", None)
+    if freq is not None and not isinstance(freq, int):
+        flags = tuple(bool(f) for f in _flags(freq, target, "moe_layer_freq"))
+    elif mlp_types is not None:
+        flags = tuple(t == "sparse" for t in _flags(mlp_types, target, "mlp_layer_types"))
+    elif freq is not None:
+        raise ConfigError("config field moe_layer_freq must be a list of 0/1 per layer for "
+                          "MiMo-V2-Flash")
+    else:  # transformers' default: the first layer dense, the rest MoE
+        flags = (False,) + (True,) * (target - 1)
+    if raw.get("n_routed_experts") not in _TRIVIAL:
+        extra["moe_updates"] = dict(layers=flags + (False,) * num_mtp)
+    return raw, extra
+
+
+_TRANSLATE = {"step3p5": _translate_step3p5, "mimo_v2_flash": _translate_mimo_v2}
 
 
 _MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
@@ -867,7 +1276,8 @@ def _parse_rope_scaling(rs, max_pos) -> Optional[RopeScaling]:
 def _to_hf_dict(cfg: ModelConfig) -> dict:
     arch = {"mimo": "MiMoForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
             "glm4_moe": "Glm4MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
-            "step3p5": "Step3p5ForCausalLM"}[cfg.layout]
+            "step3p5": "Step3p5ForCausalLM",
+            "mimo_v2_flash": "MiMoV2FlashForCausalLM"}[cfg.layout]
     out = {
         "architectures": [arch], "model_type": cfg.layout,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
@@ -888,6 +1298,8 @@ def _to_hf_dict(cfg: ModelConfig) -> dict:
         del out["qk_norm"]
     if cfg.partial_rotary_factor != 1.0 or cfg.layout == "glm4_moe":
         out["partial_rotary_factor"] = cfg.partial_rotary_factor
+    if cfg.layout in _EXPORT:
+        return _EXPORT[cfg.layout](cfg, out)
     if cfg.moe is not None:
         m = cfg.moe
         out.update(n_routed_experts=m.num_experts, num_experts_per_tok=m.top_k,
@@ -926,3 +1338,130 @@ def _to_hf_dict(cfg: ModelConfig) -> dict:
         out["sliding_window"] = sizes.pop()
         out["layer_types"] = ["sliding_attention" if w else "full_attention" for w in windows]
     return out
+
+
+def _rope_scaling_dict(rs: RopeScaling) -> dict:
+    d = {"rope_type": rs.kind, "factor": rs.factor}
+    if rs.original_max_position:
+        d["original_max_position_embeddings"] = rs.original_max_position
+    if rs.kind == "yarn":
+        d.update(beta_fast=rs.beta_fast, beta_slow=rs.beta_slow)
+        if rs.attention_factor is not None:
+            d["attention_factor"] = rs.attention_factor
+        for key in ("mscale", "mscale_all_dim"):
+            if getattr(rs, key) is not None:
+                d[key] = getattr(rs, key)
+    if rs.kind == "llama3":
+        d.update(low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor)
+    return d
+
+
+def _uniform(values, what):
+    vals = {v for v in values if v is not None}
+    if len(vals) > 1:
+        raise ConfigError(f"{what} differ between layers of one kind {sorted(vals)}: the "
+                          "published config cannot say so")
+    return vals.pop() if vals else None
+
+
+def _export_step3p5(cfg: ModelConfig, out: dict) -> dict:
+    """Step-3.5-Flash's own key style (what `_translate_step3p5` reads)."""
+    total = cfg.num_layers_total
+    windows = list(cfg.sliding_windows) + list(cfg.mtp_sliding_windows)
+    out["num_attention_groups"] = out.pop("num_key_value_heads")
+    out["use_qk_norm"] = out.pop("qk_norm")
+    out["zero_centered"] = cfg.norm_offset == 1.0
+    out["use_head_wise_attn_gate"] = cfg.attention_gate == "head"
+    out["rope_theta"] = [cfg.rope_theta_of(i) for i in range(total)]
+    out["partial_rotary_factors"] = [cfg.rotary_dim_of(i) / cfg.head_dim for i in range(total)]
+    out.pop("partial_rotary_factor", None)
+    sizes = {w for w in windows if w is not None}
+    if len(sizes) > 1:
+        raise ConfigError("Step-3.5 configs carry one sliding_window size; got " + str(sizes))
+    if sizes:
+        out["sliding_window"] = sizes.pop()
+    out["layer_types"] = ["sliding_attention" if w else "full_attention" for w in windows]
+    sliding = [i for i in range(total) if windows[i]]
+    if sliding:
+        heads = _uniform([cfg.heads_of(i)[0] for i in sliding], "sliding head counts")
+        groups = _uniform([cfg.heads_of(i)[1] for i in sliding], "sliding kv head counts")
+        out["attention_other_setting"] = {
+            "attention_type": "sliding_attention", "num_attention_heads": heads,
+            "num_attention_groups": groups, "head_dim": cfg.head_dim,
+            "true_head_dim": cfg.head_dim}
+        full = [i for i in range(total) if not windows[i]]
+        if full:
+            out["num_attention_heads"] = _uniform([cfg.heads_of(i)[0] for i in full],
+                                                  "full head counts")
+            out["num_attention_groups"] = _uniform([cfg.heads_of(i)[1] for i in full],
+                                                   "full kv head counts")
+    if cfg.rope_scaling is not None:
+        out["rope_scaling"] = _rope_scaling_dict(cfg.rope_scaling)
+        if cfg.layer_rope_scaled:
+            kinds = {("sliding_attention" if windows[i] else "full_attention"): s
+                     for i, s in enumerate(cfg.layer_rope_scaled)}
+            out["yarn_only_types"] = sorted(k for k, s in kinds.items() if s)
+    m = cfg.moe
+    if m is not None:
+        out.update(use_moe=True, moe_num_experts=m.num_experts, moe_top_k=m.top_k,
+                   moe_intermediate_size=m.intermediate_size, share_expert_dim=m.shared_size,
+                   moe_router_activation=m.router, norm_expert_weight=m.norm_topk_prob,
+                   moe_router_scaling_factor=m.routed_scaling_factor,
+                   use_moe_router_bias=m.score_bias,
+                   moe_layers_enum=",".join(str(i) for i in range(total) if m.is_moe_layer(i)))
+    for key in ("swiglu_limits", "swiglu_limits_shared"):
+        if getattr(cfg, key):
+            out[key] = [v or 0.0 for v in getattr(cfg, key)]
+    return out
+
+
+def _export_mimo_v2(cfg: ModelConfig, out: dict) -> dict:
+    """MiMo-V2-Flash's published key style (what `_translate_mimo_v2` reads)."""
+    n = cfg.num_layers
+    sliding = [w is not None for w in cfg.sliding_windows]
+    mtp_sliding = [w is not None for w in cfg.mtp_sliding_windows]
+    if not all(mtp_sliding):
+        raise ConfigError("MiMo-V2-Flash's MTP layers are sliding-window layers")
+    total = cfg.num_layers_total
+    kinds = sliding + mtp_sliding
+    swa = [i for i in range(total) if kinds[i]]
+    full = [i for i in range(total) if not kinds[i]]
+    sizes = {w for w in cfg.sliding_windows + cfg.mtp_sliding_windows if w is not None}
+    if len(sizes) > 1:
+        raise ConfigError("MiMo-V2-Flash configs carry one sliding window; got " + str(sizes))
+    window = sizes.pop() if sizes else None
+    del out["qk_norm"]
+    out.update(
+        hybrid_layer_pattern=[int(s) for s in sliding],
+        sliding_window=window, sliding_window_size=window,
+        num_attention_heads=_uniform([cfg.heads_of(i)[0] for i in full], "full head counts")
+        or cfg.num_heads,
+        num_key_value_heads=_uniform([cfg.heads_of(i)[1] for i in full], "full kv heads")
+        or cfg.num_kv_heads,
+        swa_num_attention_heads=_uniform([cfg.heads_of(i)[0] for i in swa], "sliding heads"),
+        swa_num_key_value_heads=_uniform([cfg.heads_of(i)[1] for i in swa], "sliding kv heads"),
+        swa_head_dim=cfg.head_dim, v_head_dim=cfg.v_dim, swa_v_head_dim=cfg.v_dim,
+        rope_theta=_uniform([cfg.rope_theta_of(i) for i in full], "full rope theta")
+        or cfg.rope_theta,
+        swa_rope_theta=_uniform([cfg.rope_theta_of(i) for i in swa], "sliding rope theta"),
+        partial_rotary_factor=cfg.partial_rotary_factor,
+        attention_value_scale=cfg.attention_value_scale,
+        add_swa_attention_sink_bias=bool(_uniform(
+            [bool(cfg.layer_sinks and cfg.layer_sinks[i]) for i in swa], "sliding sinks")),
+        add_full_attention_sink_bias=bool(_uniform(
+            [bool(cfg.layer_sinks and cfg.layer_sinks[i]) for i in full], "full sinks")),
+    )
+    if cfg.rope_scaling is not None:
+        raise ConfigError("MiMo-V2-Flash is published without rope_scaling")
+    m = cfg.moe
+    if m is not None:
+        out.update(n_routed_experts=m.num_experts, num_experts_per_tok=m.top_k,
+                   moe_intermediate_size=m.intermediate_size, n_shared_experts=m.num_shared,
+                   n_group=m.n_group, topk_group=m.topk_group, norm_topk_prob=m.norm_topk_prob,
+                   routed_scaling_factor=m.routed_scaling_factor, scoring_func=m.router,
+                   topk_method="noaux_tc" if m.score_bias else "greedy",
+                   moe_layer_freq=[int(m.is_moe_layer(i)) for i in range(n)])
+    return out
+
+
+_EXPORT = {"step3p5": _export_step3p5, "mimo_v2_flash": _export_mimo_v2}

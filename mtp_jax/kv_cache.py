@@ -14,7 +14,10 @@ Page 0 of every pool is a null page that is never allocated: unused table entrie
 there. Non-finite K/V are written as zeros (the engine reports the request that made them). Writes go through slot mappings (`page * page_size + offset`); positions outside
 [0, limit) get DROP_SLOT and are dropped, never wrapped (a -1 index wraps in jnp).
 
-Caches per layer: k, v [kv_heads, num_pages_of_its_group, page_size, head_dim]; with
+Caches per layer: k [kv_heads, num_pages_of_its_group, page_size, head_dim] and v [..,
+v_head_dim], with that layer's own kv head count (MiMo-V2-Flash's sliding layers have twice
+the kv heads of its full layers; the page pool is shared by layer kind, the arrays are
+per layer); with
 latent attention (MLA, `latent` layouts) one array per layer, (kv,) [1, num_pages,
 page_size, kv_lora_rank + rope dims]: a token's latent and rope key, which is its key for
 every head and, in its first kv_lora_rank dims, its value (pallas_kernels/paged_mla.py).
@@ -55,8 +58,7 @@ class KVLayout:
     width: int  # block table entries per request
     groups: tuple  # KVGroup per group
     layer_group: tuple  # group index per layer (target layers, then MTP modules)
-    kv_heads: int
-    head_dim: int
+    layer_dims: tuple  # (kv heads, key dims, value dims) per layer; value dims 0 if latent
     dtype: str
     latent: bool = False  # MLA: one cached row per token, keys and values in one
 
@@ -68,13 +70,28 @@ class KVLayout:
     def num_layers(self) -> int:
         return len(self.layer_group)
 
+    @property
+    def head_dim(self) -> int:
+        """Key dims per cached token (a latent row's width for MLA); the same in every
+        layer of the models we load."""
+        return self.layer_dims[0][1]
+
+    def page_shapes(self, layer: int) -> tuple:
+        """Shapes of the cache arrays of one layer: (k, v), or (kv,) when latent."""
+        heads, dims, v_dims = self.layer_dims[layer]
+        pages = self.groups[self.layer_group[layer]].num_pages
+        k = (heads, pages, self.page_size, dims)
+        return (k,) if self.latent else (k, (heads, pages, self.page_size, v_dims))
+
     def pages_for(self, group: int, tokens: int) -> int:
         g = self.groups[group]
         return g.ring_pages if g.window is not None else math.ceil(tokens / self.page_size)
 
-    def bytes_per_page(self) -> int:
-        return (self.arrays_per_layer * self.kv_heads * self.page_size * self.head_dim
-                * jnp.dtype(self.dtype).itemsize)
+    def bytes_per_page(self, group: int = 0) -> int:
+        """Bytes one page id of `group` holds over all the group's layers."""
+        return self.page_size * jnp.dtype(self.dtype).itemsize * sum(
+            heads * (dims + v_dims) for (heads, dims, v_dims), g
+            in zip(self.layer_dims, self.layer_group) if g == group)
 
 
 def make_layout(cfg: ModelConfig, eng: EngineConfig, k: int, dtype, *,
@@ -91,11 +108,13 @@ def make_layout(cfg: ModelConfig, eng: EngineConfig, k: int, dtype, *,
     ps = eng.page_size
     width = math.ceil((eng.max_model_len + k + eng.prefill_chunk) / ps) + 1
     itemsize = jnp.dtype(dtype).itemsize
-    kv_heads, head_dim, latent = cache_entry(cfg)
-    page_bytes = (1 if latent else 2) * kv_heads * ps * head_dim * itemsize
+    entries = [cache_entry(cfg, i) for i in range(len(windows))]
+    latent = entries[0][3]
+    layer_dims = tuple(e[:3] for e in entries)
     groups = []
     for w in [None] + kinds:
-        nlayers = sum(1 for x in windows if x == w)
+        group_bytes = ps * itemsize * sum(h * (kd + vd) for (h, kd, vd), x
+                                          in zip(layer_dims, windows) if x == w)
         if w is None:
             per_req = math.ceil((eng.max_model_len + k) / ps)
             ring = 0
@@ -105,15 +124,14 @@ def make_layout(cfg: ModelConfig, eng: EngineConfig, k: int, dtype, *,
         if eng.num_pages is not None:
             n = eng.num_pages
         elif eng.kv_memory_gb is not None and w is None:  # the budget is for full attention
-            n = int(eng.kv_memory_gb * 2**30 / max(1, page_bytes * nlayers))
+            n = int(eng.kv_memory_gb * 2**30 / max(1, group_bytes))
         else:
             n = per_req * eng.max_batch
         n = max(n, per_req) if w is not None else n
         groups.append(KVGroup(window=w, num_pages=n + 1, ring_pages=ring))
     return KVLayout(page_size=ps, width=width, groups=tuple(groups),
                     layer_group=tuple(kind_index[w] for w in windows),
-                    kv_heads=kv_heads, head_dim=head_dim,
-                    dtype=jnp.dtype(dtype).name, latent=latent)
+                    layer_dims=layer_dims, dtype=jnp.dtype(dtype).name, latent=latent)
 
 
 def check_kernels(layout: KVLayout, eng: EngineConfig, cfg: ModelConfig) -> None:
@@ -139,12 +157,8 @@ def check_kernels(layout: KVLayout, eng: EngineConfig, cfg: ModelConfig) -> None
 
 def init_caches(layout: KVLayout):
     """Zeroed pages for every layer: (k, v), or (kv,) for a latent layout."""
-    out = []
-    for gi in layout.layer_group:
-        shape = (layout.kv_heads, layout.groups[gi].num_pages, layout.page_size, layout.head_dim)
-        out.append(tuple(jnp.zeros(shape, layout.dtype)
-                         for _ in range(layout.arrays_per_layer)))
-    return tuple(out)
+    return tuple(tuple(jnp.zeros(shape, layout.dtype) for shape in layout.page_shapes(i))
+                 for i in range(layout.num_layers))
 
 
 class PageAllocator:
@@ -204,10 +218,9 @@ class PagedKV:
         self.mesh = mesh
         rows = block_tables[0].shape[0]
         self.dp = batch_axis(mesh, rows) if batch_sharded else None
-        self.tp = kv_heads_axis(mesh, layout.kv_heads)
 
     def _write(self, pages, k, v, slots):
-        dp, tp = self.dp, self.tp
+        dp, tp = self.dp, kv_heads_axis(self.mesh, pages[0].shape[0])
         new = (k,) if v is None else (k, v)  # a latent cache is one array
 
         def write(*args):
@@ -229,8 +242,8 @@ class PagedKV:
         new = tuple(jnp.where(jnp.isfinite(x), x, jnp.zeros_like(x)) for x in new)
         return tuple(fn(*pages, *new, slots))
 
-    def _attend(self, q, pages, table, kv_lens, window, sm_scale, v_dim):
-        dp, tp = self.dp, self.tp
+    def _attend(self, q, pages, table, kv_lens, window, sm_scale, v_dim, sinks):
+        dp, tp = self.dp, kv_heads_axis(self.mesh, pages[0].shape[0])
         if self.layout.latent:
             # One latent row per token serves every head: the pages are replicated over
             # tp and the query heads split over it.
@@ -245,27 +258,30 @@ class PagedKV:
                                                 P(dp)), rows)
             return fn(q, pages[0], table, kv_lens)
 
-        def attn(q, kp, vp, table, kv_lens):
+        def attn(q, kp, vp, table, kv_lens, *sinks):
             return paged_attention(q, kp, vp, table, kv_lens, sliding_window=window,
-                                   sm_scale=sm_scale, backend=self.backend)
+                                   sm_scale=sm_scale, sinks=sinks[0] if sinks else None,
+                                   backend=self.backend)
 
         page = P(tp, None, None, None)
         rows = P(dp, None, tp, None)
-        fn = shard_kernel(attn, self.mesh, (rows, page, page, P(dp, None), P(dp)), rows)
-        return fn(q, *pages, table, kv_lens)
+        extra = () if sinks is None else (sinks,)
+        fn = shard_kernel(attn, self.mesh, (rows, page, page, P(dp, None), P(dp))
+                          + (P(tp),) * len(extra), rows)
+        return fn(q, *pages, table, kv_lens, *extra)
 
     def attend(self, positions, kv_lens):
         slots = [slot_mapping(bt, positions, self.layout.page_size, self.limit)
                  for bt in self.block_tables]
 
-        def attend(layer, q, k, v, window, *, sm_scale=None, v_dim=None):
+        def attend(layer, q, k, v, window, *, sm_scale=None, v_dim=None, sinks=None):
             g = self.layout.layer_group[layer]
             if (v is None) != self.layout.latent:
                 raise ValueError("latent attention needs a latent KV layout, and only it")
             pages = self._write(self.caches[layer], k, v, slots[g])
             self.caches[layer] = pages
             return self._attend(q, pages, self.block_tables[g], kv_lens, window, sm_scale,
-                                v_dim)
+                                v_dim, sinks)
 
         return attend
 

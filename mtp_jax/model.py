@@ -2,19 +2,22 @@
 
 A block is assembled from its layer's spec (specs.py): an attention module (GQA with RoPE
 of default, linear, dynamic, yarn or llama3 scaling, partial rotary, optional QKV bias,
-q/k norm and sliding window) and an FFN module (SwiGLU `MLP`, or `moe.MoE` with its
-router, routed and shared experts), pre-norm residual around each. The MTP modules
+q/k norm, sliding window, attention sinks, a value head dim apart from the key's, a
+head-wise sigmoid output gate) and an FFN module (SwiGLU `MLP`, optionally clamped, or
+`moe.MoE` with its router, routed and shared experts), pre-norm residual around each. The MTP modules
 (mtp.py) build their blocks from the same specs.
 
 Modules hold parameters only, never caches. Attention goes through a backend callable
-`attend(layer, q, k, v, window, *, sm_scale, v_dim) -> out` supplied by the caller, so one forward serves
+`attend(layer, q, k, v, window, *, sm_scale, v_dim, sinks) -> out` supplied by the caller, so one forward serves
 training (dense causal), the plain reference generator (dense cache) and the engine
 (paged KV); the caller reads any updated cache back from its backend object after the
 forward. Use: split the module once (`nnx.split`), merge inside `jax.jit`.
 
 Parameter layouts are chosen for one fused matmul per projection and for tensor
 parallelism over kv heads: `qkv` is [d, k, g + 2, h] (per kv head: its g query heads, then
-its key and value head), `o` is [n, h, d], `gate_up` is [d, 2, f].
+its key and value head), or, when the value head dim u differs, `qk` [d, k, g + 1, h] and
+`v` [d, k, u]; `o` is [n, u, d], the head gate `gate` [d, k, g], sink logits `sinks`
+[k, g]; `gate_up` is [d, 2, f].
 
 Einsum letters, used in every module of the package:
   b batch, t tokens, s kv positions, d model dim, k kv heads, g query heads per kv head,
@@ -35,9 +38,11 @@ from flax import nnx
 from .config import ModelConfig, yarn_mscale
 from .specs import AttentionSpec, LayerSpec, RopeSpec, rope_spec
 
-# attend(layer, q[b,t,n,h], k[b,t,k,h], v[b,t,k,h], window, *, sm_scale=None, v_dim=None):
+# attend(layer, q[b,t,n,h], k[b,t,k,h], v[b,t,k,u], window, *, sm_scale=None, v_dim=None,
+#        sinks=None) -> [b,t,n,u]:
 # sm_scale None is h ** -0.5; v None (latent attention, mla.py) means the values are the
-# first v_dim dims of the keys, cached once.
+# first v_dim dims of the keys, cached once; sinks [n] (f32) are per-head logits that join
+# the softmax denominator (gpt-oss / MiMo-V2 attention sinks).
 Attend = Callable[..., jax.Array]
 
 
@@ -126,44 +131,77 @@ class Attention(nnx.Module):
 
     def __init__(self, spec: AttentionSpec, d: int, *, eps: float, offset: float, dtype,
                  rngs: nnx.Rngs):
-        k, g, h = spec.num_kv_heads, spec.group_size, spec.head_dim
+        k, g, h, u = spec.num_kv_heads, spec.group_size, spec.head_dim, spec.v_dim
         self.k, self.g, self.h = k, g, h
-        self.qkv = _param(rngs, (d, k, g + 2, h), dtype, d ** -0.5)
+        if u == h:  # one fused projection
+            self.qkv = _param(rngs, (d, k, g + 2, h), dtype, d ** -0.5)
+            self.qk = self.v = None
+        else:
+            self.qkv = None
+            self.qk = _param(rngs, (d, k, g + 1, h), dtype, d ** -0.5)
+            self.v = _param(rngs, (d, k, u), dtype, d ** -0.5)
         self.qkv_bias = nnx.Param(jnp.zeros((k, g + 2, h), dtype)) if spec.qkv_bias else None
-        self.o = _param(rngs, (k * g, h, d), dtype, (k * g * h) ** -0.5)
+        self.o = _param(rngs, (k * g, u, d), dtype, (k * g * u) ** -0.5)
         if spec.qk_norm:
             self.q_norm = RMSNorm(h, eps=eps, offset=offset, dtype=dtype)
             self.k_norm = RMSNorm(h, eps=eps, offset=offset, dtype=dtype)
         else:
             self.q_norm = self.k_norm = None
+        self.gate = _param(rngs, (d, k, g), dtype, d ** -0.5) if spec.gate else None
+        self.sinks = _param(rngs, (k, g), dtype, 1.0) if spec.sinks else None
         self.spec = spec
 
     def __call__(self, x, positions, attend: Attend, layer):
         b, t, _ = x.shape
-        qkv = jnp.einsum("btd,dkgh->btkgh", x, self.qkv[...])
-        if self.qkv_bias is not None:
-            qkv = qkv + self.qkv_bias[...]
-        q = qkv[:, :, :, : self.g].reshape(b, t, self.k * self.g, self.h)
-        k, v = qkv[:, :, :, self.g], qkv[:, :, :, self.g + 1]
+        n = self.k * self.g
+        if self.qkv is not None:
+            qkv = jnp.einsum("btd,dkgh->btkgh", x, self.qkv[...])
+            if self.qkv_bias is not None:
+                qkv = qkv + self.qkv_bias[...]
+            v = qkv[:, :, :, self.g + 1]
+        else:
+            qkv = jnp.einsum("btd,dkgh->btkgh", x, self.qk[...])
+            v = jnp.einsum("btd,dku->btku", x, self.v[...])
+        q = qkv[:, :, :, : self.g].reshape(b, t, n, self.h)
+        k = qkv[:, :, :, self.g]
+        if self.spec.value_scale != 1.0:
+            v = v * jnp.asarray(self.spec.value_scale, v.dtype)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq, scale = rope_inv_freq(self.spec.rope)
         q = apply_rope(q, positions, inv_freq, scale)
         k = apply_rope(k, positions, inv_freq, scale)
-        out = attend(layer, q, k, v, self.spec.window)
-        return jnp.einsum("btnh,nhd->btd", out, self.o[...])
+        sinks = None if self.sinks is None else self.sinks[...].reshape(n).astype(jnp.float32)
+        out = attend(layer, q, k, v, self.spec.window, sm_scale=self.spec.sm_scale,
+                     sinks=sinks)
+        if self.gate is not None:  # head-wise gate on each head's output, before o_proj
+            gate = jnp.einsum("btd,dkg->btkg", x, self.gate[...]).reshape(b, t, n)
+            out = out * jax.nn.sigmoid(gate)[..., None].astype(out.dtype)
+        return jnp.einsum("btnu,nud->btd", out, self.o[...])
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(x W_gate) * x W_up)."""
+    """SwiGLU: down(silu(x W_gate) * x W_up); with `limit` L (Step-3.5's clamped SwiGLU)
+    down(min(silu(x W_gate), L) * clip(x W_up, -L, L))."""
 
-    def __init__(self, d: int, f: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, d: int, f: int, *, dtype, rngs: nnx.Rngs, limit=None):
         self.gate_up = _param(rngs, (d, 2, f), dtype, d ** -0.5)
         self.down = _param(rngs, (f, d), dtype, f ** -0.5)
+        self.limit = limit
 
     def __call__(self, x):
         gu = jnp.einsum("btd,dcf->btcf", x, self.gate_up[...])
-        return jnp.einsum("btf,fd->btd", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], self.down[...])
+        return jnp.einsum("btf,fd->btd", swiglu(gu[:, :, 0], gu[:, :, 1], self.limit),
+                          self.down[...])
+
+
+def swiglu(gate, up, limit=None):
+    """silu(gate) * up, clamped as Step-3.5 does when `limit` is set."""
+    act = jax.nn.silu(gate)
+    if limit is not None:
+        act = jnp.minimum(act, limit)
+        up = jnp.clip(up, -limit, limit)
+    return act * up
 
 
 class Block(nnx.Module):
@@ -186,7 +224,8 @@ class Block(nnx.Module):
 
             self.mlp = MoE(spec.ffn, d, dtype=dtype, rngs=rngs)
         else:
-            self.mlp = MLP(d, spec.ffn.intermediate_size, dtype=dtype, rngs=rngs)
+            self.mlp = MLP(d, spec.ffn.intermediate_size, dtype=dtype, rngs=rngs,
+                           limit=spec.ffn.swiglu_limit)
 
     def __call__(self, x, positions, attend: Attend, layer):
         with jax.named_scope("attention"):
@@ -225,11 +264,13 @@ class Decoder(nnx.Module):
 
 
 # ------------------------------------------------------------ dense attention backends
-def dense_attention(q, k, v, q_pos, k_pos, k_valid, window, sm_scale=None, v_dim=None):
-    """Reference attention on dense keys: q [b,t,n,h], k/v [b,s,k,h], positions per row.
+def dense_attention(q, k, v, q_pos, k_pos, k_valid, window, sm_scale=None, v_dim=None,
+                    sinks=None):
+    """Reference attention on dense keys: q [b,t,n,h], k [b,s,k,h], v [b,s,k,u].
 
     Query at position p sees keys with k_pos <= p (and > p - window), where k_valid.
-    v None: the values are k[..., :v_dim] (latent attention).
+    v None: the values are k[..., :v_dim] (latent attention). sinks [n]: a per-head logit
+    in the softmax denominator that carries no value.
     """
     if v is None:
         v = k[..., :v_dim]
@@ -245,8 +286,15 @@ def dense_attention(q, k, v, q_pos, k_pos, k_valid, window, sm_scale=None, v_dim
     mask = mask[:, None, None]
     s = jnp.where(mask, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
-    p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+    if sinks is not None:
+        sink = sinks.astype(jnp.float32).reshape(1, kh, g, 1, 1)
+        m = jnp.maximum(m, sink)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(mask, jnp.exp(s - m), 0.0)
+    den = jnp.sum(p, axis=-1, keepdims=True)
+    if sinks is not None:
+        den = den + jnp.where(jnp.any(mask, axis=-1, keepdims=True), jnp.exp(sink - m), 0.0)
+    p = p / jnp.maximum(den, 1e-30)
     o = jnp.einsum("bkgts,bskh->btkgh", p, v.astype(jnp.float32))
     return o.reshape(b, t, n, v.shape[-1]).astype(q.dtype)
 
@@ -255,18 +303,20 @@ def causal_attend(positions):
     """Backend for a full-sequence forward with no cache (training, tests)."""
     valid = jnp.ones(positions.shape, bool)
 
-    def attend(layer, q, k, v, window, *, sm_scale=None, v_dim=None):
-        return dense_attention(q, k, v, positions, positions, valid, window, sm_scale, v_dim)
+    def attend(layer, q, k, v, window, *, sm_scale=None, v_dim=None, sinks=None):
+        return dense_attention(q, k, v, positions, positions, valid, window, sm_scale, v_dim,
+                               sinks)
 
     return attend
 
 
-def cache_entry(cfg: ModelConfig) -> tuple[int, int, bool]:
-    """(kv heads, dims, latent) of one token's cache entry per layer: GQA caches k and v
-    of (kv_heads, head_dim) each; MLA one latent row of kv_lora_rank + rope dims."""
+def cache_entry(cfg: ModelConfig, layer: int = 0) -> tuple[int, int, int, bool]:
+    """(kv heads, key dims, value dims, latent) of one token's cache entry in a layer: GQA
+    caches k (kv_heads, head_dim) and v (kv_heads, v_head_dim); MLA one latent row of
+    kv_lora_rank + rope dims (value dims 0: the values are read from that row)."""
     if cfg.mla is not None:
-        return 1, cfg.mla.cache_dim, True
-    return cfg.num_kv_heads, cfg.head_dim, False
+        return 1, cfg.mla.cache_dim, 0, True
+    return cfg.heads_of(layer)[1], cfg.head_dim, cfg.v_dim, False
 
 
 class DenseCache:
@@ -283,11 +333,14 @@ class DenseCache:
 
     @staticmethod
     def init(cfg: ModelConfig, batch, max_len, dtype, num_layers=None):
-        heads, dims, latent = cache_entry(cfg)
-        z = jnp.zeros((batch, max_len, heads, dims), dtype)
-        return [(z,) if latent else (z, z) for _ in range(num_layers or cfg.num_layers)]
+        out = []
+        for i in range(num_layers or cfg.num_layers):
+            heads, dims, v_dims, latent = cache_entry(cfg, i)
+            k = jnp.zeros((batch, max_len, heads, dims), dtype)
+            out.append((k,) if latent else (k, jnp.zeros((batch, max_len, heads, v_dims), dtype)))
+        return out
 
-    def __call__(self, layer, q, k, v, window, *, sm_scale=None, v_dim=None):
+    def __call__(self, layer, q, k, v, window, *, sm_scale=None, v_dim=None, sinks=None):
         rows = jnp.arange(k.shape[0])[:, None]
         new = (k,) if v is None else (k, v)
         cache = tuple(c.at[rows, self.positions].set(x.astype(c.dtype), mode="drop")
@@ -298,4 +351,4 @@ class DenseCache:
         k_valid = k_pos <= jnp.max(self.positions, axis=1, keepdims=True)
         vc = None if v is None else cache[1]
         return dense_attention(q, cache[0], vc, self.positions, k_pos, k_valid, window,
-                               sm_scale, v_dim)
+                               sm_scale, v_dim, sinks)

@@ -33,7 +33,7 @@ from pallas_kernels.grouped_matmul import (BACKEND_ENV_VAR, EXTRA_BACKENDS, defa
                                            grouped_matmul, plan_groups)
 
 from .config import MoEConfig
-from .model import MLP, _param
+from .model import MLP, _param, swiglu
 from .sharding import P, active_mesh, axis_size, batch_axis, shard_kernel
 
 # Router parameters stay float32 whatever the model dtype: the checkpoints keep the bias
@@ -50,13 +50,14 @@ class MoE(nnx.Module):
                             else None)
         self.experts_gate_up = _param(rngs, (e, d, 2, f), dtype, d ** -0.5)
         self.experts_down = _param(rngs, (e, f, d), dtype, f ** -0.5)
-        self.shared = (MLP(d, f * spec.num_shared, dtype=dtype, rngs=rngs) if spec.num_shared
-                       else None)
+        self.shared = (MLP(d, spec.shared_size, dtype=dtype, rngs=rngs,
+                           limit=spec.shared_swiglu_limit) if spec.shared_size else None)
 
     def __call__(self, x):
         bias = None if self.router_bias is None else self.router_bias[...]
         ids, weights = route(x, self.router[...], bias, self.spec)
-        out = routed_experts(x, ids, weights, self.experts_gate_up[...], self.experts_down[...])
+        out = routed_experts(x, ids, weights, self.experts_gate_up[...], self.experts_down[...],
+                             self.spec.swiglu_limit)
         if self.shared is not None:
             out = out + self.shared(x).astype(jnp.float32)
         return out.astype(x.dtype)
@@ -86,12 +87,12 @@ def route(x, router, bias, spec: MoEConfig):
     return ids.astype(jnp.int32), weights * spec.routed_scaling_factor
 
 
-def expert_swiglu(x, ids, weights, gate_up, down, first_expert=0):
+def expert_swiglu(x, ids, weights, gate_up, down, first_expert=0, limit=None):
     """sum_j weights_j * SwiGLU_{ids_j}(x) over the experts held here, f32 [.., d].
 
     x [.., d]; ids, weights [.., top_k]; gate_up [e, d, 2, f], down [e, f, d] hold experts
     first_expert .. first_expert + e - 1; rows routed elsewhere contribute 0 and read no
-    weights.
+    weights. `limit`: clamped SwiGLU (model.swiglu).
     """
     lead, d = x.shape[:-1], x.shape[-1]
     e, _, _, f = gate_up.shape
@@ -109,14 +110,14 @@ def expert_swiglu(x, ids, weights, gate_up, down, first_expert=0):
         group, e, default_tile_rows(rows.shape[0], e, backend))
     h = grouped_matmul(rows, gate_up.reshape(e, d, 2 * f), group, backend=backend,
                        plan=plan).reshape(-1, 2, f)
-    act = (jax.nn.silu(h[:, 0].astype(jnp.float32)) * h[:, 1].astype(jnp.float32))
+    act = swiglu(h[:, 0].astype(jnp.float32), h[:, 1].astype(jnp.float32), limit)
     y = grouped_matmul(act.astype(x.dtype), down, group, backend=backend,
                        plan=plan).astype(jnp.float32)
     y = y.reshape(-1, top_k, d) * weights.reshape(-1, top_k, 1)
     return jnp.sum(y, axis=1).reshape(lead + (d,))
 
 
-def routed_experts(x, ids, weights, gate_up, down):
+def routed_experts(x, ids, weights, gate_up, down, limit=None):
     """`expert_swiglu` over all experts, split over the active mesh's ep / tp axes."""
     mesh = active_mesh()
     ep, tp = axis_size(mesh, "ep"), axis_size(mesh, "tp")
@@ -124,13 +125,14 @@ def routed_experts(x, ids, weights, gate_up, down):
     e_axis = "ep" if ep > 1 else None
     f_axis = "tp" if tp > 1 and f % tp == 0 else None
     if e_axis is None and f_axis is None:
-        return expert_swiglu(x, ids, weights, gate_up, down)
+        return expert_swiglu(x, ids, weights, gate_up, down, limit=limit)
     dp = batch_axis(mesh, x.shape[0])
     sum_axes = tuple(a for a in (e_axis, f_axis) if a)
 
     def local(x, ids, weights, gate_up, down):
         first = jax.lax.axis_index("ep") * gate_up.shape[0] if e_axis else 0
-        return jax.lax.psum(expert_swiglu(x, ids, weights, gate_up, down, first), sum_axes)
+        return jax.lax.psum(expert_swiglu(x, ids, weights, gate_up, down, first, limit),
+                            sum_axes)
 
     rows = P(dp, *([None] * (x.ndim - 1)))
     fn = shard_kernel(local, mesh, (rows, rows, rows, P(e_axis, None, None, f_axis),

@@ -46,6 +46,10 @@ _PARAM_AXES = {
     "head": ("embed", "vocab"),
     "qkv": ("embed", "kv_heads", None, None),
     "qkv_bias": ("kv_heads", None, None),
+    "qk": ("embed", "kv_heads", None, None),  # q and k when v has its own head dim
+    "v": ("embed", "kv_heads", None),
+    "gate": ("embed", "kv_heads", None),  # head-wise attention gate [d, k, g]
+    "sinks": ("kv_heads", None),  # attention sink logits [k, g]
     "o": ("q_heads", None, "embed"),
     "gate_up": ("embed", None, "mlp"),
     "down": ("mlp", "embed"),

@@ -6,11 +6,13 @@ architecture adds a spec kind and a module, not a flag threaded through one `Blo
 
 - `RopeSpec`: theta, scaling and how many of the head dims rotate (partial RoPE,
   rotate-half convention).
-- `AttentionSpec`: GQA head counts, head dim, QKV bias, q/k norm, sliding window, RoPE.
+- `AttentionSpec`: GQA head counts (per layer), head dim and value head dim, QKV bias,
+  q/k norm, sliding window, attention sinks, head-wise output gate, value and softmax
+  scales, RoPE (per layer theta and rotary fraction).
 - `MLASpec`: multi-head latent attention (DeepSeek-V3): latent dims, softmax scale, RoPE
   on the rope part of each head (mla.py).
-- `DenseFFN` (SwiGLU of `intermediate_size`) or `MoEConfig` (config.py: router, routed
-  and shared experts).
+- `DenseFFN` (SwiGLU of `intermediate_size`, optionally clamped) or `MoEConfig`
+  (config.py: router, routed and shared experts, their clamps for this layer).
 
 Layer numbering follows the checkpoints: target layers 0..N-1, then MTP module k is
 layer N + k (DeepSeek-V3 / GLM put it at `model.layers.{N + k}`), which is also what
@@ -22,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Union
 
-from .config import MLAConfig, ModelConfig, MoEConfig, RopeScaling, yarn_mscale
+from .config import MLAConfig, ModelConfig, MoEConfig, RopeScaling, _at, yarn_mscale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +44,19 @@ class AttentionSpec:
     window: Optional[int] = None  # sliding window, None: full attention
     qkv_bias: bool = False
     qk_norm: bool = False
+    v_head_dim: Optional[int] = None  # None: head_dim
+    sinks: bool = False  # a learned logit per query head joins the softmax denominator
+    gate: Optional[str] = None  # "head": output of head i scaled by sigmoid(x W_g)_i
+    value_scale: float = 1.0  # values are v_proj(x) * value_scale
+    sm_scale: Optional[float] = None  # None: head_dim ** -0.5
 
     @property
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def v_dim(self) -> int:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +72,7 @@ class MLASpec:
 @dataclasses.dataclass(frozen=True)
 class DenseFFN:
     intermediate_size: int
+    swiglu_limit: Optional[float] = None  # min(silu(gate), L) * clip(up, -L, L)
 
 
 FFNSpec = Union[DenseFFN, MoEConfig]
@@ -78,8 +90,20 @@ class LayerSpec:
         return isinstance(self.ffn, MoEConfig)
 
 
-def rope_spec(cfg: ModelConfig) -> RopeSpec:
-    return RopeSpec(theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim, scaling=cfg.rope_scaling)
+def rope_spec(cfg: ModelConfig, layer: Optional[int] = None) -> RopeSpec:
+    """The RoPE of a layer (per-layer theta / rotary fraction), or the config's default."""
+    if layer is None:
+        return RopeSpec(theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim,
+                        scaling=cfg.rope_scaling)
+    scaled = _at(cfg.layer_rope_scaled, layer, True)
+    return RopeSpec(theta=cfg.rope_theta_of(layer), rotary_dim=cfg.rotary_dim_of(layer),
+                    scaling=cfg.rope_scaling if scaled else None)
+
+
+def _limit(values: tuple, layer: int) -> Optional[float]:
+    """A clamp bound from a per-layer list: None or 0 (as the hub configs write) is none."""
+    v = values[layer] if values else None
+    return float(v) if v else None
 
 
 def mla_spec(cfg: ModelConfig, window=None) -> MLASpec:
@@ -99,13 +123,24 @@ def layer_spec(cfg: ModelConfig, layer: int) -> LayerSpec:
     if cfg.mla is not None:
         attention = mla_spec(cfg, window)
     else:
-        attention = AttentionSpec(kind="gqa", num_heads=cfg.num_heads,
-                                  num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                                  rope=rope_spec(cfg), window=window,
-                                  qkv_bias=cfg.attention_bias, qk_norm=cfg.qk_norm)
+        heads, kv_heads = cfg.heads_of(layer)
+        scalar = cfg.query_pre_attn_scalar
+        attention = AttentionSpec(
+            kind="gqa", num_heads=heads, num_kv_heads=kv_heads, head_dim=cfg.head_dim,
+            rope=rope_spec(cfg, layer), window=window, qkv_bias=cfg.attention_bias,
+            qk_norm=cfg.qk_norm, v_head_dim=cfg.v_head_dim,
+            sinks=bool(_at(cfg.layer_sinks, layer, False)),
+            gate=cfg.attention_gate, value_scale=cfg.attention_value_scale,
+            sm_scale=None if scalar is None else float(scalar) ** -0.5)
     moe = cfg.moe
-    ffn = moe if moe is not None and moe.is_moe_layer(layer) else DenseFFN(
-        cfg.intermediate_size)
+    shared_limit = _limit(cfg.swiglu_limits_shared, layer)
+    if moe is not None and moe.is_moe_layer(layer):
+        ffn = dataclasses.replace(moe, swiglu_limit=_limit(cfg.swiglu_limits, layer),
+                                  shared_swiglu_limit=shared_limit)
+    else:
+        # A dense layer's MLP is clamped by the shared-expert bound (Step-3.5's dense
+        # layers are the shared-expert MLP class).
+        ffn = DenseFFN(cfg.intermediate_size, swiglu_limit=shared_limit)
     return LayerSpec(attention=attention, ffn=ffn, rms_norm_eps=cfg.rms_norm_eps,
                      norm_offset=cfg.norm_offset)
 

@@ -57,10 +57,15 @@ FACTS = {
     "qwen3_next": dict(concat="embed_first", zero_pos0=False, hidden_from="post_norm",
                        out_hidden="post_norm", own_head=False, own_embed=False,
                        shared_input=True, norm_offset=1.0),
-    "step3p5": dict(concat="embed_first", zero_pos0=True, hidden_from="pre_norm",
+    "step3p5": dict(concat="embed_first", zero_pos0=False, hidden_from="pre_norm",
                     out_hidden="pre_norm", own_head=True, own_embed=False, shared_input=False,
-                    norm_offset=0.0),
+                    norm_offset=1.0),
 }
+
+# An MTP layer's own head (its norm, its projection) as each layout publishes it.
+HEAD_NAMES = {"deepseek_v3": ("shared_head.norm.weight", "shared_head.head.weight"),
+              "step3p5": ("transformer.shared_head.norm.weight",
+                          "transformer.shared_head.output.weight")}
 
 
 # --------------------------------------------------------------------------- configs
@@ -260,8 +265,8 @@ def hf_tensor_specs(config: dict) -> dict:
             specs.update({p + "enorm.weight": ("norm", (d,)),
                           p + "hnorm.weight": ("norm", (d,)),
                           p + "eh_proj.weight": ("linear", (d, 2 * d)),
-                          p + "shared_head.norm.weight": ("norm", (d,)),
-                          p + "shared_head.head.weight": ("linear", (v, d))})
+                          p + HEAD_NAMES[arch.layout][0]: ("norm", (d,)),
+                          p + HEAD_NAMES[arch.layout][1]: ("linear", (v, d))})
             if arch.layout == "deepseek_v3":
                 specs[p + "embed_tokens.weight"] = ("embed", (v, d))
         else:
@@ -513,7 +518,7 @@ def mtp_weights(tensors: dict, arch: Arch, k: int) -> dict:
         p = f"model.layers.{arch.layers + k}."
         w = dict(enorm=tensors[p + "enorm.weight"], hnorm=tensors[p + "hnorm.weight"],
                  proj=tensors[p + "eh_proj.weight"],
-                 final_norm=tensors[p + "shared_head.norm.weight"])
+                 final_norm=tensors[p + HEAD_NAMES[arch.layout][0]])
     else:
         p = f"mtp.layers.{k}."
         w = dict(enorm=tensors["mtp.pre_fc_norm_embedding.weight"],
@@ -521,7 +526,7 @@ def mtp_weights(tensors: dict, arch: Arch, k: int) -> dict:
                  final_norm=tensors["mtp.norm.weight"])
     w["block"] = block_weights(tensors, p)
     if arch.own_head:
-        w["head"] = tensors[p + "shared_head.head.weight"]
+        w["head"] = tensors[p + HEAD_NAMES[arch.layout][1]]
     else:
         w["head"] = tensors["model.embed_tokens.weight" if arch.tied else "lm_head.weight"]
     w["embed"] = tensors[p + "embed_tokens.weight" if arch.own_embed

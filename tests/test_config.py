@@ -30,10 +30,10 @@ EXPECTED = {
                        mtp_own_head=False, mtp_own_embed=False, mtp_shared_input=True,
                        attention_bias=False, qk_norm=True, norm_offset=1.0,
                        num_mtp_modules=2, head_dim=16, partial_rotary_factor=0.25),
-    "step3p5": dict(mtp_concat_order="embed_first", mtp_zero_embed_at_pos0=True,
+    "step3p5": dict(mtp_concat_order="embed_first", mtp_zero_embed_at_pos0=False,
                     mtp_hidden_from="pre_norm", mtp_output_hidden="pre_norm",
                     mtp_own_head=True, mtp_own_embed=False, mtp_shared_input=False,
-                    qk_norm=True, norm_offset=0.0, num_mtp_modules=3, head_dim=16,
+                    qk_norm=True, norm_offset=1.0, num_mtp_modules=3, head_dim=16,
                     mtp_hidden_source="previous"),
 }
 

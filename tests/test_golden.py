@@ -1,4 +1,5 @@
-"""GLM-4.5 MoE and DeepSeek-V3 against HF transformers' own classes (golden files).
+"""GLM-4.5 MoE, DeepSeek-V3, MiMo-V2-Flash and Step-3.5-Flash against HF transformers' own
+classes (golden files).
 
 tests/golden/make_glm4_moe.py and make_deepseek_v3.py built tiny random models with
 transformers 5.17's `Glm4MoeForCausalLM` / `DeepseekV3ForCausalLM` (MLA with and without
@@ -6,7 +7,11 @@ q_lora_rank, YaRN with mscale, expert groups, shared experts, dense first layers
 FP8 block-scaled twin whose golden comes from its dequantized weights), saved them in
 the hub layout with an MTP layer appended, and recorded transformers' float32 logits,
 final hidden states, greedy tokens and the MTP layer's teacher-forced logits
-(tests/golden/README.md). Here, without torch: our forward against those numbers,
+(tests/golden/README.md). make_mimo_v2_step3p5.py did the same with `MiMoV2FlashForCausalLM`
+and the `step3p5` text model (sliding / full layers with their own kv heads, sinks, a value
+head dim apart from the key's, the head-wise gate, clamped SwiGLU, zero-centred norms,
+per-layer RoPE), each with its 3 MTP layers wired as the published engines run them.
+Here, without torch: our forward against those numbers,
 `generate --method none` against transformers' greedy tokens, the speculative methods
 against `none`, and `evaluate` on the checkpoint.
 """
@@ -32,8 +37,10 @@ from mtp_jax.model import causal_attend
 from mtp_jax.mtp import forward_train
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
-CASES = ("glm4_moe_air", "glm4_moe_groups", "glm4_moe_shared_head", "deepseek_v3_lite",
-         "deepseek_v3_yarn", "deepseek_v3_fp8")
+ONE_MTP = ("glm4_moe_air", "glm4_moe_groups", "glm4_moe_shared_head", "deepseek_v3_lite",
+           "deepseek_v3_yarn", "deepseek_v3_fp8")
+THREE_MTP = ("mimo_v2_flash_hub", "mimo_v2_flash_hf", "step3p5_flash")
+CASES = ONE_MTP + THREE_MTP
 
 
 def folder(case):
@@ -59,12 +66,20 @@ def forward(case):
         logits, outs = forward_train(m, tokens)
         pos = jnp.arange(tokens.shape[1])[None]
         normed, _ = m.target(tokens, pos, causal_attend(pos))
-        return logits[0], outs[0][0], normed[0]
+        return logits[0], [o[0] for o in outs], normed[0]
 
-    return [np.asarray(x) for x in run(params, tokens)]
+    logits, outs, hidden = run(params, tokens)
+    return np.asarray(logits), [np.asarray(o) for o in outs], np.asarray(hidden)
 
 
-@pytest.mark.parametrize("case", CASES)
+def mtp_golden(case, gold):
+    """The recorded teacher-forced logits of each MTP layer."""
+    if case in ONE_MTP:
+        return [gold["mtp_logits"]]
+    return [gold[f"mtp_logits_{k}"] for k in range(3)]
+
+
+@pytest.mark.parametrize("case", ONE_MTP)
 def test_config_and_layout(case):
     model, _ = case_data(case)
     cfg = model.config
@@ -94,7 +109,43 @@ def test_target_logits_and_hidden_match_transformers(case):
 def test_mtp_layer_logits_match_transformers_modules(case):
     _, gold = case_data(case)
     _, mtp_logits, _ = forward(case)
-    np.testing.assert_allclose(mtp_logits, gold["mtp_logits"], rtol=1e-4, atol=1e-4)
+    want = mtp_golden(case, gold)
+    assert len(mtp_logits) == len(want)
+    for got, ref in zip(mtp_logits, want):
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", THREE_MTP)
+def test_mimo_v2_and_step3p5_configs_read_every_published_fact(case):
+    model, _ = case_data(case)
+    cfg = model.config
+    assert cfg.num_mtp_modules == 3 and cfg.moe is not None
+    specs = [cfg.layer_spec(i) for i in range(cfg.num_layers_total)]
+    att = [s.attention for s in specs]
+    if case.startswith("mimo_v2_flash"):
+        # hub: the MTP count comes from the tensors (the published config has none)
+        assert cfg.layout == "mimo_v2_flash" and cfg.mtp_hidden_source == "target"
+        assert [a.window for a in att] == [None, 4, 4, None, 4, 4, 4]
+        assert [a.num_kv_heads for a in att] == [1, 2, 2, 1, 2, 2, 2]
+        assert [a.sinks for a in att] == [False, True, True, False, True, True, True]
+        assert {(a.head_dim, a.v_dim, a.value_scale) for a in att} == {(24, 16, 0.707)}
+        assert all(a.rope.rotary_dim == 8 for a in att)  # int(24 * 0.334)
+        thetas = (5e6, 1e4) if case.endswith("hub") else (2e6, 2e4)
+        assert [a.rope.theta for a in att] == [thetas[a.window is not None] for a in att]
+        assert [s.is_moe for s in specs] == [False, True, True, True, False, False, False]
+        assert not cfg.mtp_own_head and not cfg.mtp_zero_embed_at_pos0
+        return
+    assert cfg.layout == "step3p5" and cfg.mtp_hidden_source == "previous"
+    assert cfg.norm_offset == 1.0 and cfg.mtp_own_head and not cfg.mtp_zero_embed_at_pos0
+    assert [a.num_heads for a in att] == [4, 6, 6, 6, 6, 6, 6]
+    assert [a.window for a in att] == [None] + [4] * 6
+    assert all(a.gate == "head" and a.qk_norm for a in att)
+    assert [a.rope.rotary_dim for a in att] == [8] + [16] * 6
+    assert [a.rope.scaling is not None for a in att] == [True] + [False] * 6  # yarn_only_types
+    assert [s.is_moe for s in specs] == [False, True, True, True, False, False, False]
+    assert specs[2].ffn.swiglu_limit == 0.2 and specs[3].ffn.shared_swiglu_limit == 0.15
+    assert specs[0].ffn.swiglu_limit == 0.3  # a dense MLP takes the shared bound
+    assert specs[1].ffn.shared_size == 48 and specs[1].ffn.routed_scaling_factor == 3.0
 
 
 def _cut_at_eos(tokens, eos):
@@ -121,7 +172,12 @@ def test_greedy_tokens_equal_transformers_and_speculation_is_lossless(case):
     runs = {"glm4_moe_groups": {"none": 0, "window": 1},
             "deepseek_v3_lite": {"none": 0, "eagle": 2},
             "deepseek_v3_yarn": {"none": 0, "chain": 1},
-            "deepseek_v3_fp8": {"none": 0}}.get(case, {"none": 0, "chain": 1, "eagle": 2})
+            "deepseek_v3_fp8": {"none": 0},
+            # 3 MTP layers, K = 3 (evaluate below runs every strategy on two of them)
+            "mimo_v2_flash_hub": {"none": 0, "per_step": 3},
+            "mimo_v2_flash_hf": {"none": 0, "chain": 3},
+            "step3p5_flash": {"none": 0, "window": 3}}.get(
+                case, {"none": 0, "chain": 1, "eagle": 2})
     outs = {}
     for method, k in runs.items():
         eng = _engine(model, method, max(k, 1))
@@ -133,7 +189,7 @@ def test_greedy_tokens_equal_transformers_and_speculation_is_lossless(case):
         assert outs[method] == outs["none"], method
 
 
-@pytest.mark.parametrize("case", ["glm4_moe_air", "deepseek_v3_fp8"])
+@pytest.mark.parametrize("case", ["glm4_moe_air", "deepseek_v3_fp8", "mimo_v2_flash_hub"])
 def test_generate_cli_none_reproduces_transformers_greedy(tmp_path, case):
     from mtp_jax.generate import main
 
@@ -151,8 +207,9 @@ def test_generate_cli_none_reproduces_transformers_greedy(tmp_path, case):
     assert rec["token_ids"] == _cut_at_eos(gold["greedy"], set(model.eos_token_ids))
 
 
-@pytest.mark.parametrize("case", ["glm4_moe_shared_head", "deepseek_v3_lite"])
-def test_evaluate_runs_every_method_one_mtp_layer_allows(tmp_path, case):
+@pytest.mark.parametrize("case", ["glm4_moe_shared_head", "deepseek_v3_lite", "step3p5_flash",
+                                  "mimo_v2_flash_hub"])
+def test_evaluate_runs_every_method_lossless(tmp_path, case):
     from mtp_jax.evaluate import main
 
     _, gold = case_data(case)
@@ -164,7 +221,8 @@ def test_evaluate_runs_every_method_one_mtp_layer_allows(tmp_path, case):
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
         rc = main(["--model", folder(case), "--dataset", str(data), "--methods",
-                   "chain,window,per_step,eagle", "--num-speculative-tokens", "1",
+                   "chain,window,per_step,eagle", "--num-speculative-tokens",
+                   "1" if case in ONE_MTP else "3",
                    "--max-tokens", "10", "--max-batch", "4", "--output", str(report)])
     assert rc == 0
     res = json.loads(report.read_text())
