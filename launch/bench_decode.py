@@ -117,7 +117,8 @@ def weight_bytes(model: Model, prefix) -> int:
 
 
 def decoding_state(static: Static, model: Model, b: int, ctx: int, dtype):
-    """Every slot active at kv_len = ctx, sequential pages, huge budgets."""
+    """Every slot active at kv_len = ctx, sequential pages (a ring per slot in sliding
+    groups), huge budgets."""
     st = init_state(static, dtype)
     layout = static.layout
     per = layout.pages_for(0, static.eng.max_model_len + K)
@@ -125,7 +126,11 @@ def decoding_state(static: Static, model: Model, b: int, ctx: int, dtype):
     for g, grp in enumerate(layout.groups):
         rows = np.zeros((b, layout.width), np.int32)
         for i in range(b):
-            rows[i, :per] = 1 + i * per + np.arange(per)
+            if grp.window is None:
+                rows[i, :per] = 1 + i * per + np.arange(per)
+            else:  # a sliding group's ring of pages, tiled over the table (kv_cache.py)
+                ring = 1 + i * grp.ring_pages + np.arange(grp.ring_pages)
+                rows[i] = np.resize(ring, layout.width)
         tables.append(jnp.asarray(rows))
     rng = np.random.default_rng(0)
     return st.replace(
