@@ -1316,20 +1316,7 @@ def _to_hf_dict(cfg: ModelConfig) -> dict:
                    qk_nope_head_dim=m.qk_nope_dim, qk_rope_head_dim=m.qk_rope_dim,
                    v_head_dim=m.v_head_dim, rope_interleave=m.rope_interleave)
     if cfg.rope_scaling is not None:
-        rs = cfg.rope_scaling
-        d = {"rope_type": rs.kind, "factor": rs.factor}
-        if rs.original_max_position:
-            d["original_max_position_embeddings"] = rs.original_max_position
-        if rs.kind == "yarn":
-            d.update(beta_fast=rs.beta_fast, beta_slow=rs.beta_slow)
-            if rs.attention_factor is not None:
-                d["attention_factor"] = rs.attention_factor
-            for key in ("mscale", "mscale_all_dim"):
-                if getattr(rs, key) is not None:
-                    d[key] = getattr(rs, key)
-        if rs.kind == "llama3":
-            d.update(low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor)
-        out["rope_scaling"] = d
+        out["rope_scaling"] = _rope_scaling_dict(cfg.rope_scaling)
     windows = list(cfg.sliding_windows) + list(cfg.mtp_sliding_windows)
     if any(w is not None for w in windows):
         sizes = {w for w in windows if w is not None}
