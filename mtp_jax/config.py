@@ -1385,8 +1385,8 @@ def _export_step3p5(cfg: ModelConfig, out: dict) -> dict:
     if cfg.rope_scaling is not None:
         out["rope_scaling"] = _rope_scaling_dict(cfg.rope_scaling)
         if cfg.layer_rope_scaled:
-            kinds = {("sliding_attention" if windows[i] else "full_attention"): s
-                     for i, s in enumerate(cfg.layer_rope_scaled)}
+            kinds = {("sliding_attention" if windows[i] else "full_attention"):
+                     _at(cfg.layer_rope_scaled, i, True) for i in range(total)}
             out["yarn_only_types"] = sorted(k for k, s in kinds.items() if s)
     m = cfg.moe
     if m is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 
@@ -336,3 +337,45 @@ def test_engine_config_validation():
         EngineConfig(steps_per_dispatch=0)
     with pytest.raises(ConfigError, match="max_batch"):
         EngineConfig(max_batch=0)
+
+
+def _golden_config(case):
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", case,
+                        "config.json")
+    with open(path) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("case,change,field", [
+    ("step3p5_flash", {"sink": True}, "sink"),
+    ("step3p5_flash", {"use_rope_layers": [0, 1]}, "use_rope_layers"),
+    ("step3p5_flash", {"att_impl_type": "MLA"}, "att_impl_type"),
+    ("step3p5_flash", {"moe_every_n_layer": 2}, "moe_every_n_layer"),
+    ("step3p5_flash", {"attention_other_setting": {"attention_type": "sliding_attention",
+                                                   "num_attention_heads": 6,
+                                                   "head_dim": 32}}, "head_dim"),
+    ("step3p5_flash", {"swiglu_limits": [0, -1, 0, 0, 0, 0, 0]}, "swiglu_limits"),
+    ("step3p5_flash", {"moe_layers_enum": None, "use_moe": True}, "moe_layers_enum"),
+    ("mimo_v2_flash_hub", {"swa_head_dim": 32}, "swa_head_dim"),
+    ("mimo_v2_flash_hub", {"swa_v_head_dim": 8}, "swa_v_head_dim"),
+    ("mimo_v2_flash_hub", {"attention_chunk_size": 64}, "attention_chunk_size"),
+    ("mimo_v2_flash_hub", {"hybrid_layer_pattern": [0, 1]}, "hybrid_layer_pattern"),
+    ("mimo_v2_flash_hub", {"attention_bias": True}, "attention_bias"),
+    ("mimo_v2_flash_hf", {"rope_parameters": {
+        "full_attention": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}, "rope_type"),
+])
+def test_step3p5_and_mimo_v2_keys_we_do_not_implement_are_refused(case, change, field):
+    raw = dict(_golden_config(case), **change)
+    raw = {k: v for k, v in raw.items() if v is not None}
+    with pytest.raises(ConfigError, match=field):
+        ModelConfig.from_hf(raw)
+
+
+@pytest.mark.parametrize("case", ["step3p5_flash", "mimo_v2_flash_hub", "mimo_v2_flash_hf"])
+def test_step3p5_and_mimo_v2_configs_round_trip_through_their_own_key_style(case):
+    raw = _golden_config(case)
+    cfg = ModelConfig.from_hf(raw, mtp_layers=None if "num_nextn_predict_layers" in raw
+                              or case.startswith("step") else 3)
+    again = ModelConfig.from_hf(json.loads(json.dumps(cfg.to_hf())))
+    assert again == cfg
