@@ -257,8 +257,10 @@ def test_multihost_two_cpu_processes_check():
     reduction across it (cross-process all-reduce over gloo) and an all-gather."""
     proc = launch_local("--local-devices", "2", "--mesh", "tp=2,dp=2", "--", "check",
                         timeout=180)
-    rows = sorted((json.loads(x[len("CHECK "):]) for x in proc.stdout.splitlines()
-                   if x.startswith("CHECK ")), key=lambda r: r["process_index"])
+    # raw_decode: gloo may print its own line onto the end of ours (shared stdout)
+    rows = sorted((json.JSONDecoder().raw_decode(x[len("CHECK "):])[0]
+                   for x in proc.stdout.splitlines() if x.startswith("CHECK ")),
+                  key=lambda r: r["process_index"])
     assert [r["process_index"] for r in rows] == [0, 1], proc.stdout
     for r in rows:
         assert (r["process_count"], r["device_count"], r["local_device_count"]) == (2, 4, 2)
