@@ -218,6 +218,23 @@ def iters(batch, ctx, layer=DEFAULT):
   return int(min(500, max(10, 0.03 * 3e12 / kv_bytes(batch, ctx, layer))))
 
 
+def time_into(entry, methods, args, n, reps, nbytes, tag):
+  """entry[name] = timing of each (name, fn) on args (None where it fails, logged)."""
+  for name, fn in methods:
+    try:
+      compile_s, best, med = time_per_call(fn, args, n, reps)
+      entry[name] = dict(compile_s=compile_s, best_s=best, median_s=med,
+                         tbs=nbytes / best / 1e12)
+    except Exception as e:
+      log(f"{name} {tag} failed: {type(e).__name__}: {str(e)[:500]}")
+      entry[name] = None
+
+
+def bw_cell(r, denom):
+  """'TB/s (% of copy bandwidth)' of one timing, or n/a."""
+  return f"{r['tbs']:.2f} ({100 * r['tbs'] * 1e12 / denom:.0f} %)" if r else "n/a"
+
+
 def layer_table(layer, shapes, reps, key, denom):
   """Time ours vs the XLA reference at one layer shape: (markdown rows, raw entries)."""
   kw = layer_kwargs(layer)
@@ -239,26 +256,18 @@ def layer_table(layer, shapes, reps, key, denom):
         log(f"{layer.name} B={batch} ctx={ctx} Q={q_len} check failed: "
             f"{type(e).__name__}: {str(e)[:500]}")
         entry["max_abs_err"] = float("nan")
-      for name, fn in (("ours", ours(**kw)), ("xla_reference", reference_fn(**kw))):
-        try:
-          compile_s, best, med = time_per_call(fn, args, n, reps)
-          entry[name] = dict(compile_s=compile_s, best_s=best, median_s=med,
-                             tbs=nbytes / best / 1e12)
-        except Exception as e:
-          log(f"{name} {layer.name} B={batch} ctx={ctx} Q={q_len} failed: "
-              f"{type(e).__name__}: {str(e)[:500]}")
-          entry[name] = None
+      time_into(entry, (("ours", ours(**kw)), ("xla_reference", reference_fn(**kw))), args,
+                n, reps, nbytes, f"{layer.name} B={batch} ctx={ctx} Q={q_len}")
       per_q[q_len] = entry
       raw.append(entry)
       log(json.dumps(entry))
       del args
     for q_len, e in per_q.items():
       o, x = e.get("ours"), e.get("xla_reference")
-      cell = lambda r: f"{r['tbs']:.2f} ({100 * r['tbs'] * 1e12 / denom:.0f} %)" if r else "n/a"
       us = f"{o['best_s'] * 1e6:.1f} / {o['median_s'] * 1e6:.1f}" if o else "n/a"
       speedup = f"{x['best_s'] / o['best_s']:.2f}" if o and x else "n/a"
-      rows.append(f"| {layer.name} | {batch} | {ctx} | {q_len} | {cell(o)} | {us} | "
-                  f"{cell(x)} | {speedup} | {e['max_abs_err']:.1e} |")
+      rows.append(f"| {layer.name} | {batch} | {ctx} | {q_len} | {bw_cell(o, denom)} | {us} | "
+                  f"{bw_cell(x, denom)} | {speedup} | {e['max_abs_err']:.1e} |")
   return rows, raw
 
 
@@ -304,15 +313,8 @@ def main():
       methods = [("ours", ours()), ("xla_reference", reference)]
       if q_len == 1 and bundled is not None:
         methods.append(("bundled", bundled))
-      for name, fn in methods:
-        try:
-          compile_s, best, med = time_per_call(fn, args, n, opts.reps)
-          entry[name] = dict(compile_s=compile_s, best_s=best, median_s=med,
-                             tbs=kv_bytes(batch, ctx) / best / 1e12)
-        except Exception as e:
-          log(f"{name} B={batch} ctx={ctx} Q={q_len} failed: {type(e).__name__}: "
-              f"{str(e)[:500]}")
-          entry[name] = None
+      time_into(entry, methods, args, n, opts.reps, kv_bytes(batch, ctx),
+                f"B={batch} ctx={ctx} Q={q_len}")
       per_q[q_len] = entry
       raw.append(entry)
       log(json.dumps(entry))
@@ -321,9 +323,7 @@ def main():
              if per_q[1].get("ours") and per_q[4].get("ours") else float("nan"))
     for q_len, e in per_q.items():
       def cell(r):
-        if not r:
-          return "n/a"
-        return f"{r['tbs']:.2f} ({100 * r['tbs'] * 1e12 / denom:.0f} %)"
+        return bw_cell(r, denom)
       us = f"{e['ours']['best_s'] * 1e6:.1f} / {e['ours']['median_s'] * 1e6:.1f}" \
           if e.get("ours") else "n/a"
       rows.append(f"| {batch} | {ctx} | {q_len} | {cell(e.get('ours'))} | {us} | "

@@ -253,11 +253,11 @@ def _block_entries(cfg: ModelConfig, layer: int, path: tuple, prefix: str, *,
     if att.kind == "mla":
         es += _mla_entries(att, d, path + ("attn",), prefix + "self_attn.")
     else:
-        es += _gqa_entries(att, cfg.layout, d, path + ("attn",), prefix + "self_attn.")
+        es += _gqa_entries(att, d, path + ("attn",), prefix + "self_attn.")
     return es + _ffn_entries(cfg.layout, spec, d, path, prefix)
 
 
-def _gqa_entries(att, layout: str, d: int, path: tuple, a: str) -> list[Entry]:
+def _gqa_entries(att, d: int, path: tuple, a: str) -> list[Entry]:
     """q/k/v/o projections (fused as model.Attention lays them out), biases, q/k norms,
     the head-wise gate `g_proj` and the sink logits of a GQA layer."""
     k, g, h, u = att.num_kv_heads, att.group_size, att.head_dim, att.v_dim
@@ -305,14 +305,10 @@ def _gqa_entries(att, layout: str, d: int, path: tuple, a: str) -> list[Entry]:
                         lambda arrs: np.ascontiguousarray(_t(arrs[0]).reshape(d, k, g)),
                         lambda p: [_t(np.asarray(p).reshape(d, n))]))
     if att.sinks:  # MiMo-V2 attention_sink_bias [n] -> [k, g]
-        es.append(Entry(path + ("sinks",), (a + SINK_NAMES[layout],), ((n,),),
+        es.append(Entry(path + ("sinks",), (a + "attention_sink_bias",), ((n,),),
                         lambda arrs: np.asarray(arrs[0]).reshape(k, g),
                         lambda p: [np.asarray(p).reshape(n)]))
     return es
-
-
-# The published name of the per-head sink logits.
-SINK_NAMES = {"mimo_v2_flash": "attention_sink_bias"}
 
 
 def _ffn_entries(layout: str, spec, d: int, path: tuple, prefix: str) -> list[Entry]:

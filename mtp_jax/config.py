@@ -921,6 +921,18 @@ def _limits(raw, key, total, target):
     return vals
 
 
+def _layer_counts(raw: dict, mtp_layers: Optional[int]):
+    """(target layers, MTP layers, total) of a raw config, `mtp_layers` (counted by the
+    loader) written into it when given; None when they are not integers."""
+    if mtp_layers is not None:
+        raw["num_nextn_predict_layers"] = mtp_layers
+    target = raw.get("num_hidden_layers")
+    num_mtp = raw.get("num_nextn_predict_layers", 0)
+    if not isinstance(target, int) or not isinstance(num_mtp, int):
+        return None
+    return target, num_mtp, target + num_mtp
+
+
 def _translate_step3p5(raw: dict, mtp_layers: Optional[int]):
     """Step-3.5-Flash's published config (stepfun-ai/Step-3.5-Flash, vLLM step3p5.py).
 
@@ -938,11 +950,10 @@ def _translate_step3p5(raw: dict, mtp_layers: Optional[int]):
     `moe_every_n_layer` 1 (the enum names the MoE layers), `need_fp32_gate` (the router
     always runs in float32).
     """
-    target = raw.get("num_hidden_layers")
-    num_mtp = raw.get("num_nextn_predict_layers", 0) if mtp_layers is None else mtp_layers
-    if not isinstance(target, int) or not isinstance(num_mtp, int):
+    counts = _layer_counts(raw, mtp_layers)
+    if counts is None:
         return raw, {}  # the common parser names the bad field
-    total = target + num_mtp
+    target, num_mtp, total = counts
     extra: dict = {}
     if "num_attention_groups" in raw:
         groups = raw.pop("num_attention_groups")
@@ -1068,13 +1079,10 @@ def _translate_mimo_v2(raw: dict, mtp_layers: Optional[int]):
     `num_nextn_predict_layers`, or, where the config leaves it out, counted from the
     checkpoint's `model.mtp.layers.*` tensors by the loader.
     """
-    target = raw.get("num_hidden_layers")
-    num_mtp = raw.get("num_nextn_predict_layers", 0) if mtp_layers is None else mtp_layers
-    if mtp_layers is not None:
-        raw["num_nextn_predict_layers"] = mtp_layers
-    if not isinstance(target, int) or not isinstance(num_mtp, int):
+    counts = _layer_counts(raw, mtp_layers)
+    if counts is None:
         return raw, {}
-    total = target + num_mtp
+    target, num_mtp, total = counts
     extra: dict = {}
     if "layernorm_epsilon" in raw:
         raw.setdefault("rms_norm_eps", raw.pop("layernorm_epsilon"))

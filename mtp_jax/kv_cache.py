@@ -89,9 +89,15 @@ class KVLayout:
 
     def bytes_per_page(self, group: int = 0) -> int:
         """Bytes one page id of `group` holds over all the group's layers."""
-        return self.page_size * jnp.dtype(self.dtype).itemsize * sum(
-            heads * (dims + v_dims) for (heads, dims, v_dims), g
-            in zip(self.layer_dims, self.layer_group) if g == group)
+        return page_bytes(self.layer_dims, [g == group for g in self.layer_group],
+                          self.page_size, self.dtype)
+
+
+def page_bytes(layer_dims, members, page_size: int, dtype) -> int:
+    """Bytes of one page id over the layers flagged in `members` (k and v, or a latent
+    row, per layer)."""
+    return page_size * jnp.dtype(dtype).itemsize * sum(
+        heads * (dims + v_dims) for (heads, dims, v_dims), m in zip(layer_dims, members) if m)
 
 
 def make_layout(cfg: ModelConfig, eng: EngineConfig, k: int, dtype, *,
@@ -107,14 +113,12 @@ def make_layout(cfg: ModelConfig, eng: EngineConfig, k: int, dtype, *,
     kind_index = {None: 0, **{w: i + 1 for i, w in enumerate(kinds)}}
     ps = eng.page_size
     width = math.ceil((eng.max_model_len + k + eng.prefill_chunk) / ps) + 1
-    itemsize = jnp.dtype(dtype).itemsize
     entries = [cache_entry(cfg, i) for i in range(len(windows))]
     latent = entries[0][3]
     layer_dims = tuple(e[:3] for e in entries)
     groups = []
     for w in [None] + kinds:
-        group_bytes = ps * itemsize * sum(h * (kd + vd) for (h, kd, vd), x
-                                          in zip(layer_dims, windows) if x == w)
+        group_bytes = page_bytes(layer_dims, [x == w for x in windows], ps, dtype)
         if w is None:
             per_req = math.ceil((eng.max_model_len + k) / ps)
             ring = 0

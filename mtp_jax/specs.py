@@ -100,12 +100,6 @@ def rope_spec(cfg: ModelConfig, layer: Optional[int] = None) -> RopeSpec:
                     scaling=cfg.rope_scaling if scaled else None)
 
 
-def _limit(values: tuple, layer: int) -> Optional[float]:
-    """A clamp bound from a per-layer list: None or 0 (as the hub configs write) is none."""
-    v = values[layer] if values else None
-    return float(v) if v else None
-
-
 def mla_spec(cfg: ModelConfig, window=None) -> MLASpec:
     scale = cfg.mla.qk_head_dim ** -0.5
     rs = cfg.rope_scaling
@@ -133,9 +127,10 @@ def layer_spec(cfg: ModelConfig, layer: int) -> LayerSpec:
             gate=cfg.attention_gate, value_scale=cfg.attention_value_scale,
             sm_scale=None if scalar is None else float(scalar) ** -0.5)
     moe = cfg.moe
-    shared_limit = _limit(cfg.swiglu_limits_shared, layer)
+    # ModelConfig keeps no-clamp entries (0 or null in the hub lists) as None.
+    shared_limit = _at(cfg.swiglu_limits_shared, layer, None)
     if moe is not None and moe.is_moe_layer(layer):
-        ffn = dataclasses.replace(moe, swiglu_limit=_limit(cfg.swiglu_limits, layer),
+        ffn = dataclasses.replace(moe, swiglu_limit=_at(cfg.swiglu_limits, layer, None),
                                   shared_swiglu_limit=shared_limit)
     else:
         # A dense layer's MLP is clamped by the shared-expert bound (Step-3.5's dense

@@ -107,12 +107,13 @@ def init_value(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch
 
 
 @torch.no_grad()
-def randomize_(module: nn.Module, gen: torch.Generator) -> None:
-    """Fill every parameter and persistent buffer of `module`, in sorted-name order."""
+def randomize_(module: nn.Module, gen: torch.Generator, init: Callable = init_value) -> None:
+    """Fill every parameter and persistent buffer of `module` with `init(name, shape, gen)`,
+    in sorted-name order."""
     state = module.state_dict()
     for name in sorted(state):
         tensor = state[name]
-        tensor.copy_(init_value(name, tuple(tensor.shape), gen))
+        tensor.copy_(init(name, tuple(tensor.shape), gen))
 
 
 def fused_to_hub(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -142,8 +143,9 @@ def fused_to_hub(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch
 
 
 @torch.no_grad()
-def new_model(model_cls, config, seed: int):
-    """A `model_cls` (eager attention and experts, eval mode) with every weight drawn from `seed`.
+def new_model(model_cls, config, seed: int, init: Callable = init_value):
+    """A `model_cls` (eager attention and experts, eval mode) with every weight drawn from `seed`
+    by `init`.
 
     Returns (model, gen); `gen` goes on to draw the MTP layer's weights.
     """
@@ -155,7 +157,7 @@ def new_model(model_cls, config, seed: int):
     model.eval()
     assert model.config._attn_implementation == "eager"
     assert model.config._experts_implementation == "eager"
-    randomize_(model, gen)
+    randomize_(model, gen, init)
     return model, gen
 
 

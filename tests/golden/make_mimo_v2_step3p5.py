@@ -139,7 +139,9 @@ from _golden_common import (  # noqa: E402  (shared with the GLM-4.5 / DeepSeek-
     fused_to_hub,
     init_value,
     load_safetensors,
+    new_model,
     parse_args_and_setup,
+    randomize_,
     top2_gap,
     write_cases,
     write_fixture_folder,
@@ -234,13 +236,6 @@ def init_step(name: str, shape, gen: torch.Generator) -> torch.Tensor:
 
 
 @torch.no_grad()
-def randomize_with_(module: nn.Module, gen: torch.Generator, init_fn) -> None:
-    """Fill every parameter and persistent buffer of `module`, in sorted-name order."""
-    state = module.state_dict()
-    for name in sorted(state):
-        state[name].copy_(init_fn(name, tuple(state[name].shape), gen))
-
-
 def set_eager(config) -> None:
     config._attn_implementation = "eager"
     config._experts_implementation = "eager"
@@ -722,17 +717,10 @@ def mimo_reference(folder: str):
 def build_mimo_case(name: str, case: dict, seed: int, workdir: str):
     config = mimo_config(case)
     ext = mimo_config(case, N_MTP)
-    torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
-    model = MiMoV2FlashForCausalLM(config)
-    model.set_attn_implementation("eager")
-    model.set_experts_implementation("eager")
-    model.eval()
-    assert model.config._attn_implementation == "eager" and model.config._experts_implementation == "eager"
-    randomize_with_(model, gen, init_mimo)
+    model, gen = new_model(MiMoV2FlashForCausalLM, config, seed, init_mimo)
     n = config.num_hidden_layers
     mtp = nn.ModuleList([MimoMtpLayer(ext, n + k) for k in range(N_MTP)]).eval()
-    randomize_with_(mtp, gen, init_mimo)
+    randomize_(mtp, gen, init_mimo)
     for layer in mtp:  # sliding attention with sinks, dense MLP
         assert layer.block.self_attn.sinks is not None and layer.block.self_attn.sliding_window == 4
         assert layer.block.self_attn.k_proj.out_features == 2 * config.num_key_value_heads * config.head_dim
@@ -1154,10 +1142,10 @@ def build_step_case(name: str, case: dict, seed: int, workdir: str):
     lm.model.set_experts_implementation("eager")
     lm.eval()
     assert lm.model.config._attn_implementation == "eager"
-    randomize_with_(lm, gen, init_step)
+    randomize_(lm, gen, init_step)
     n = cfg.num_hidden_layers
     mtp = nn.ModuleList([StepMtpLayer(ext, n + k) for k in range(N_MTP)]).eval()
-    randomize_with_(mtp, gen, init_step)
+    randomize_(mtp, gen, init_step)
     for layer in mtp:  # sliding, 6 heads, dense, no clamp (entries 4..6 of the lists are 0)
         a = layer.block.self_attn
         assert a.sliding_window == 4 and a.num_heads == 6 and isinstance(layer.block.mlp, Step3p7MLP)
