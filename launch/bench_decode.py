@@ -53,7 +53,7 @@ from bench_paged_attention import copy_bandwidth  # noqa: E402
 from mtp_jax.checkpoint import Model, abstract_model  # noqa: E402
 from mtp_jax.config import EngineConfig, ModelConfig, SpecConfig  # noqa: E402
 from mtp_jax.drafting import draft  # noqa: E402
-from mtp_jax.kv_cache import PagedKV, make_layout  # noqa: E402
+from mtp_jax.kv_cache import PageAllocator, PagedKV, make_layout  # noqa: E402
 from mtp_jax.sharding import make_mesh, shard_params, state_shardings, use_mesh  # noqa: E402
 from mtp_jax.step import Static, init_state, programs  # noqa: E402
 
@@ -122,16 +122,14 @@ def decoding_state(static: Static, model: Model, b: int, ctx: int, dtype):
     st = init_state(static, dtype)
     layout = static.layout
     per = layout.pages_for(0, static.eng.max_model_len + K)
-    tables = []
-    for g, grp in enumerate(layout.groups):
-        rows = np.zeros((b, layout.width), np.int32)
-        for i in range(b):
-            if grp.window is None:
-                rows[i, :per] = 1 + i * per + np.arange(per)
-            else:  # a sliding group's ring of pages, tiled over the table (kv_cache.py)
-                ring = 1 + i * grp.ring_pages + np.arange(grp.ring_pages)
-                rows[i] = np.resize(ring, layout.width)
-        tables.append(jnp.asarray(rows))
+    # slot i's pages: a run of its own per group (a ring in sliding groups), laid into
+    # table rows the way the engine's allocator lays them
+    alloc = PageAllocator(layout)
+    rows = np.stack([alloc.table_rows(
+        [list(1 + i * n + np.arange(n)) for n in
+         (per if grp.window is None else grp.ring_pages for grp in layout.groups)])
+        for i in range(b)], axis=1)  # [groups, b, width]
+    tables = [jnp.asarray(r) for r in rows]
     rng = np.random.default_rng(0)
     return st.replace(
         active=jnp.ones((b,), bool), length=jnp.full((b,), ctx, jnp.int32),
