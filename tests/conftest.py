@@ -35,3 +35,35 @@ if "XLA_FLAGS" not in os.environ and _platform_is_cpu():
 # The suite compiles from scratch (a persistent compilation cache would make a test's
 # compile depend on earlier runs); test_generate_cli checks warm starts in its own folder.
 os.environ.setdefault("MTP_JAX_COMPILE_CACHE", "off")
+
+
+# Every compiled XLA CPU program maps its kernels' code into the process (three memory
+# maps per kernel, about a thousand per engine), and the suite keeps engines in module
+# caches. A worker that compiles a few hundred programs reaches the kernel's per-process
+# limit (vm.max_map_count, 65530 by default), after which the next compile crashes the
+# process inside LLVM. So between tests, once half the limit is used, drop every compiled
+# program (engines still alive recompile on their next call).
+def _map_limit() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 0  # not Linux: no such limit to watch
+
+
+_MAP_LIMIT = _map_limit()
+
+
+def _maps_in_use() -> int:
+    with open("/proc/self/maps", "rb") as f:
+        return sum(1 for _ in f)
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if _MAP_LIMIT and _maps_in_use() > _MAP_LIMIT // 2:
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
