@@ -30,14 +30,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 LAYOUTS = ("mimo", "deepseek_v3", "glm4_moe", "qwen3_next", "step3p5", "mimo_v2_flash")
 # layouts whose loaders know expert tensors
 MOE_LAYOUTS = ("deepseek_v3", "glm4_moe", "step3p5", "mimo_v2_flash")
 ROUTERS = ("sigmoid", "softmax")
 METHODS = ("none", "eagle", "per_step", "window", "chain")
+AUTO = "auto"  # num_speculative_tokens: adaptive speculation
 
 
 class ConfigError(ValueError):
@@ -458,6 +460,14 @@ class SpecConfig:
     """Speculative decoding: the draft strategy and its knobs.
 
     method: none | eagle | per_step | window | chain (see DESIGN.md, Draft strategies).
+    num_speculative_tokens: K, or "auto" (the default): adaptive speculation up to the
+    model's MTP module count (3 for eagle), see `adaptive`. `resolve(model config)` turns
+    "auto" into that K with `adaptive=True`.
+    adaptive: the engine picks, for every dispatch, how many of the K drafts to verify
+    (0..K) from the acceptance per depth and the measured cost of each step kind
+    (mtp_jax.adaptive). Sampled rows then verify by coupled sampling (a draft is accepted
+    when it equals the target's own seeded sample at its position), so sampled output is
+    the same whatever K each dispatch chose; with a fixed K, rejection sampling.
     `relaxed_*`: TensorRT-LLM style relaxed acceptance for thinking phases, off by default;
     when on, a request in a thinking phase (between `think_begin_id` and `think_end_id`)
     accepts a greedy draft that is among the target's top `relaxed_topk` tokens and within
@@ -465,27 +475,63 @@ class SpecConfig:
     """
 
     method: str = "chain"
-    num_speculative_tokens: int = 3
+    num_speculative_tokens: Union[int, str] = AUTO
     relaxed_acceptance: bool = False
     relaxed_topk: int = 3
     relaxed_delta: float = 0.3
     think_begin_id: int = -1
     think_end_id: int = -1
+    adaptive: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ConfigError(f"method {self.method!r} not in {METHODS}")
-        if self.method != "none" and self.num_speculative_tokens < 1:
+        k = self.num_speculative_tokens
+        if isinstance(k, str):
+            if k.strip().lower() != AUTO:
+                raise ConfigError(f"num_speculative_tokens must be an integer or {AUTO!r}, "
+                                  f"got {k!r}")
+            object.__setattr__(self, "num_speculative_tokens", AUTO)
+        elif isinstance(k, bool) or not isinstance(k, numbers.Integral):
+            raise ConfigError(f"num_speculative_tokens must be an integer or {AUTO!r}, "
+                              f"got {k!r}")
+        elif self.method != "none" and k < 1:
             raise ConfigError("num_speculative_tokens must be >= 1")
+        if self.method == "none" and self.adaptive:
+            object.__setattr__(self, "adaptive", False)
         if self.relaxed_acceptance and (self.relaxed_topk < 1 or not 0 <= self.relaxed_delta <= 1):
             raise ConfigError("relaxed_topk must be >= 1 and relaxed_delta in [0, 1]")
 
     @property
+    def auto(self) -> bool:
+        """K not chosen yet ("auto" before `resolve`)."""
+        return self.num_speculative_tokens == AUTO
+
+    @property
     def k(self) -> int:
-        """Drafts per step (0 for plain decoding)."""
-        return 0 if self.method == "none" else self.num_speculative_tokens
+        """Drafts per step (0 for plain decoding); the largest K when adaptive."""
+        if self.method == "none":
+            return 0
+        if self.auto:
+            raise ConfigError("num_speculative_tokens='auto' is resolved against a model: "
+                              "SpecConfig.resolve(model.config)")
+        return int(self.num_speculative_tokens)
+
+    def resolve(self, cfg: ModelConfig) -> "SpecConfig":
+        """"auto" -> adaptive with K = the module count (eagle: 3); checked for the model."""
+        spec = self
+        if self.auto:
+            kmax = 0 if self.method == "none" else (
+                3 if self.method == "eagle" else max(1, cfg.num_mtp_modules))
+            spec = dataclasses.replace(self, num_speculative_tokens=kmax,
+                                       adaptive=self.method != "none")
+        spec.validate_for(cfg)
+        return spec
 
     def validate_for(self, cfg: ModelConfig) -> None:
+        if self.auto:
+            self.resolve(cfg)
+            return
         if self.method in ("window", "chain", "per_step") and not (
                 1 <= self.num_speculative_tokens <= cfg.num_mtp_modules):
             raise ConfigError(
@@ -494,6 +540,19 @@ class SpecConfig:
                 f"{self.num_speculative_tokens}")
         if self.method == "eagle" and cfg.num_mtp_modules < 1:
             raise ConfigError("method eagle needs at least one MTP module")
+
+
+def parse_num_speculative_tokens(text: str):
+    """A CLI value of num_speculative_tokens: "auto" or an integer >= 1."""
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        k = int(text)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise ValueError(f"expected {AUTO!r} or an integer >= 1, got {text!r}")
+    return k
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,14 +30,17 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from .sampling import SALT_DRAFT, row_keys, sample
+from .sampling import SALT_DRAFT, SALT_TARGET, row_keys, sample
 
 
-def draft(model, method: str, k: int, kv, win_tokens, win_hidden, win_pos, sp):
-    """K drafts [b, K] and their processed log-probs [b, K, v] from a window [b, K+1].
+def draft(model, method: str, k: int, kv, win_tokens, win_hidden, win_pos, sp, *,
+          coupled=False):
+    """k drafts [b, k] and their processed log-probs [b, k, v] from a window [b, W].
 
-    `kv` is the PagedKV of the traced program; `sp` holds per-row temperature, top_k,
-    top_p [b] and seeds [b, 2].
+    The window may be wider than k + 1 (adaptive speculation drafts fewer than the window
+    holds); only the first k modules run. `kv` is the PagedKV of the traced program; `sp`
+    holds per-row temperature, top_k, top_p [b] and seeds [b, 2]. `coupled`: sampled
+    drafts use the target's key of their position (see sampling.accept).
     """
     cfg = model.cfg
     a = win_pos[:, -1]
@@ -46,7 +49,8 @@ def draft(model, method: str, k: int, kv, win_tokens, win_hidden, win_pos, sp):
 
     def pick(m, normed, depth):
         logits = model.draft_logits(m, normed)
-        keys = row_keys(sp.seed, (a + 2 + depth)[:, None], SALT_DRAFT)[:, 0]
+        keys = row_keys(sp.seed, (a + 2 + depth)[:, None],
+                        SALT_TARGET if coupled else SALT_DRAFT)[:, 0]
         tok, logp = sample(logits, sp.temperature, sp.top_k, sp.top_p, keys)
         drafts.append(tok)
         logps.append(logp)

@@ -4,7 +4,8 @@ Continuous batching over `max_batch` fixed slots. Requests queue in order; the h
 the queue is admitted when a slot is free and its page reservation (prompt + max_tokens
 + K positions) fits the pools, so the decode loop never allocates. Admission runs the
 chunked prefill (target, then the MTP history, then the first drafts) for that slot.
-Then one dispatch runs up to `steps_per_dispatch` speculative steps on device; between
+Then one dispatch runs up to `steps_per_dispatch` speculative steps on device (with
+adaptive speculation, of the step kind `mtp_jax.adaptive` picks for it); between
 dispatches the host collects finished requests (stop ids, budget, max_model_len and NaN
 checks all happen on device; stop *strings* are matched here on the decoded text) and
 releases their pages. Compiled programs depend only on the engine configuration: after
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import compile_cache
+from .adaptive import KController
 from .config import ConfigError, EngineConfig, SamplingParams, SpecConfig
 from .kv_cache import PageAllocator, check_kernels, make_layout
 from .sampling import split_seed
@@ -51,6 +53,7 @@ class Result:
     error: Optional[str] = None
     num_steps: int = 0  # target forwards after prefill
     accepted_per_depth: list = dataclasses.field(default_factory=list)  # counts
+    drafted_per_depth: list = dataclasses.field(default_factory=list)  # steps verifying one
 
     @property
     def num_generated_tokens(self) -> int:
@@ -62,8 +65,15 @@ class Result:
         return len(self.token_ids) / (self.num_steps + 1) if self.token_ids else 0.0
 
     @property
+    def verified_per_depth(self) -> list:
+        """Steps that verified a draft at each depth (every step, at a fixed K)."""
+        return self.drafted_per_depth or [self.num_steps] * len(self.accepted_per_depth)
+
+    @property
     def acceptance_per_depth(self) -> list:
-        return [a / self.num_steps if self.num_steps else 0.0 for a in self.accepted_per_depth]
+        """Per depth: accepted drafts over the steps that verified a draft there."""
+        return [a / t if t else 0.0 for a, t in zip(self.accepted_per_depth,
+                                                     self.verified_per_depth)]
 
 
 @dataclasses.dataclass
@@ -83,7 +93,7 @@ class Engine:
 
     def __init__(self, model, spec: SpecConfig = SpecConfig(), config: Optional[EngineConfig] = None,
                  *, mesh=None, **overrides):
-        spec.validate_for(model.config)
+        spec = spec.resolve(model.config)  # "auto" -> adaptive up to the module count
         compile_cache.enable()  # warm starts; $MTP_JAX_COMPILE_CACHE=off disables
         eng = dataclasses.replace(config or EngineConfig(), **overrides)
         if mesh is not None:
@@ -121,6 +131,9 @@ class Engine:
         self.compile_seconds = 0.0
         self._warm = False
         self.stats = collections.Counter()
+        self.control = KController(k) if spec.adaptive else None
+        # per-slot counters as of the last collection, for each dispatch's deltas
+        self._seen = np.zeros((eng.max_batch, 2 * k + 1), np.int64)
 
     # ----------------------------------------------------------------- compile
     def buckets(self) -> list[int]:
@@ -130,8 +143,9 @@ class Engine:
         return sorted({self._bucket(1 << i) for i in range(top.bit_length())} | {top})
 
     def warmup(self) -> float:
-        """Compile every program (all prefill buckets) on an idle slot; returns seconds."""
-        if self._warm:
+        """Compile every program (all prefill buckets) on an idle slot; returns seconds.
+        Again after `jax.clear_caches()` dropped the executables."""
+        if self._warm and all(self.cache_sizes().values()):
             return 0.0
         t0 = time.perf_counter()
         p, st = self.model.params, self.state
@@ -141,7 +155,9 @@ class Engine:
             if self.spec.k:
                 st = self.progs.prefill_mtp(c)(p, st, slot, zero, zero)
         st = self.progs.prefill_finish(p, st, slot, logits, jnp.int32(1))
-        self.state = self.progs.run_steps(p, st, jnp.int32(0))
+        for kind in self.static.kinds:
+            st = self.progs.steps(kind)(p, st, jnp.int32(0))
+        self.state = st
         # admit a dummy request onto null pages (no prefill) and free the slot again, with
         # the argument types the real calls use
         self._admit_slot(0, Request(None, [0]), [[] for _ in self.layout.groups])
@@ -153,8 +169,9 @@ class Engine:
     def cache_sizes(self) -> dict:
         """Compiled-program cache sizes (for checking that nothing recompiles)."""
         out = {n: getattr(self.progs, n)._cache_size()
-               for n in ("run_steps", "admit", "release", "prefill_finish")}
-        for n in ("prefill_target", "prefill_mtp"):
+               for n in ("admit", "release", "prefill_finish")}
+        out["run_steps"] = sum(self.progs.steps(k)._cache_size() for k in self.static.kinds)
+        for n in ("prefill_target", "prefill_mtp") if self.spec.k else ("prefill_target",):
             fns = [getattr(self.progs, n)(c) for c in self.buckets()]
             out[n] = sum(f._cache_size() for f in fns)
         return out
@@ -224,6 +241,7 @@ class Engine:
         """Admit `req` into `slot` and run its prefill."""
         s, eng, p = self.static, self.config, self.model.params
         st = self._admit_slot(slot, req, pages)
+        self._seen[slot] = 0
         plen = len(req.prompt_ids)
         sl = jnp.int32(slot)
         start, logits = 0, None
@@ -315,8 +333,12 @@ class Engine:
 
     def _collect(self) -> list:
         st = self.state
-        finish, ngen, steps, acc = self._fetch(
-            (st.finish, st.num_generated, st.steps, st.accepted))
+        finish, ngen, steps, acc, tried = self._fetch(
+            (st.finish, st.num_generated, st.steps, st.accepted, st.drafted))
+        now = np.concatenate([np.asarray(steps)[:, None], acc, tried], axis=1)
+        live = np.asarray([x is not None for x in self.slots])
+        self._delta = np.where(live[:, None], now - self._seen, 0)
+        self._seen = now
         # finished slots, and running ones whose stop strings the host must look for
         look = [i for i, x in enumerate(self.slots)
                 if x is not None and (finish[i] != FINISH_NONE or x.stop_strings)]
@@ -337,7 +359,8 @@ class Engine:
                 err = "non-finite (NaN or Inf) logits: the request was stopped"
             res = Result(item.req.id, toks, reason, len(item.req.prompt_ids), text=text,
                          error=err, num_steps=int(steps[i]),
-                         accepted_per_depth=[int(x) for x in acc[i]])
+                         accepted_per_depth=[int(x) for x in acc[i]],
+                         drafted_per_depth=[int(x) for x in tried[i]])
             if res.text is None and self.model.tokenizer is not None:
                 res.text = self.model.tokenizer.decode(toks)
             results.append(res)
@@ -382,12 +405,18 @@ class Engine:
                 yield from out
                 if not any(x is not None for x in self.slots):
                     continue
+                kind = self.control.choose() if self.control else self.static.k
                 t0 = time.perf_counter()
-                self.state = self.progs.run_steps(self.model.params, self.state,
-                                                  jnp.int32(self.config.steps_per_dispatch))
-                for res in self._collect():
-                    yield res
-                self.stats["dispatch_seconds"] += time.perf_counter() - t0
+                self.state = self.progs.steps(kind)(self.model.params, self.state,
+                                                    jnp.int32(self.config.steps_per_dispatch))
+                done = self._collect()
+                seconds = time.perf_counter() - t0
+                if self.control:
+                    k, d = self.static.k, self._delta.sum(0)
+                    self.control.update(kind, seconds, int(self._delta[:, 0].max()),
+                                        d[1: k + 1], d[k + 1:])
+                yield from done
+                self.stats["dispatch_seconds"] += seconds
                 self.stats["dispatches"] += 1
         finally:
             self.abort()

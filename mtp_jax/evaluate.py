@@ -37,7 +37,8 @@ import numpy as np
 from . import compile_cache
 from .checkpoint import CheckpointError, load
 from .compile_cache import add_compile_cache_option
-from .config import ConfigError, EngineConfig, SamplingParams, SpecConfig
+from .config import (ConfigError, EngineConfig, SamplingParams, SpecConfig,
+                     parse_num_speculative_tokens)
 from .generate import Fatal, LineError, build_request, default_model_dir, read_lines
 
 DRAFT_METHODS = ("chain", "window", "per_step", "eagle")
@@ -95,62 +96,76 @@ def load_model(path: Optional[str], dtype: Optional[str] = None):
 
 
 # ----------------------------------------------------------------- speculative runs
-def method_stats(results, reference, wall_s: float, compile_s: float, k: int,
-                 greedy: bool, ids: list) -> dict:
-    """One method's row; `reference` is `none`'s results in the same order (or None)."""
+def method_stats(results, reference, wall_s: float, compile_s: float, spec: SpecConfig,
+                 greedy: bool, ids: list, control=None) -> dict:
+    """One method's row; `reference` is `none`'s results in the same order (or None);
+    `control` the adaptive controller of the run (its schedule goes into the row)."""
+    k = spec.k
     gen = sum(len(r.token_ids) for r in results)
-    steps = sum(r.num_steps for r in results)
     fwd = sum(r.num_steps + 1 for r in results)
-    acc = np.sum([r.accepted_per_depth for r in results], axis=0) if k else np.zeros(0)
+    ran = [r for r in results if r.accepted_per_depth]
+    acc = np.sum([r.accepted_per_depth for r in ran], axis=0) if k and ran else np.zeros(k)
+    tried = np.sum([r.verified_per_depth for r in ran], axis=0) if k and ran else np.zeros(k)
     differ = None
     if greedy:
         ref = reference or results
         differ = [ids[i] for i, (a, b) in enumerate(zip(results, ref))
                   if a.token_ids != b.token_ids or a.finish_reason != b.finish_reason]
-    return {"num_speculative_tokens": k, "num_requests": len(results),
+    row = {"num_speculative_tokens": "auto" if spec.adaptive else k,
+            "max_speculative_tokens": k, "num_requests": len(results),
             "num_errors": sum(r.finish_reason == "error" for r in results),
             "generated_tokens": gen, "target_forwards": fwd,
             "mean_accepted_length": gen / fwd if fwd else 0.0,
-            "acceptance_per_depth": [float(a) / steps if steps else 0.0 for a in acc],
+            "acceptance_per_depth": [float(a) / t if t else 0.0 for a, t in zip(acc, tried)],
             "tokens_per_s": gen / wall_s if wall_s > 0 else 0.0,
             "wall_s": wall_s, "compile_s": compile_s,
             "lossless": None if differ is None else not differ, "mismatched_ids": differ}
+    if control is not None:
+        row["k_dispatches"] = {str(kind): n for kind, n in control.counts().items()}
+        row["k_schedule"] = control.schedule
+    return row
 
 
-def run_methods(model, requests, ids, methods, k, eng_cfg: EngineConfig, greedy, log) -> dict:
-    """`none` first, then each method, on fresh warmed-up engines of one configuration."""
+def run_methods(model, requests, ids, methods, ks, eng_cfg: EngineConfig, greedy, log) -> dict:
+    """`none` first, then each method at each K of `ks` ("auto" or integers), on fresh
+    warmed-up engines of one configuration. Rows are named by the method, or
+    `method/K` when several K run."""
     from .engine import Engine
 
     out, reference = {}, None
-    for name in ("none",) + tuple(methods):
+    runs = [("none", "none", 1)] + [(m if len(ks) == 1 else f"{m}/{k}", m, k)
+                                    for m in methods for k in ks]
+    for name, method, k in runs:
         t0 = time.perf_counter()
-        engine = Engine(model, SpecConfig(name, num_speculative_tokens=k), eng_cfg)
+        engine = Engine(model, SpecConfig(method, num_speculative_tokens=k), eng_cfg)
         engine.warmup()
         compile_s = time.perf_counter() - t0
         log(f"{name}: compiled in {compile_s:.1f} s, running {len(requests)} prompts")
         t0 = time.perf_counter()
         results = engine.generate(requests)
         wall_s = time.perf_counter() - t0
+        row = method_stats(results, reference, wall_s, compile_s, engine.spec, greedy, ids,
+                           engine.control)
         del engine  # its KV pages: one engine's worth of memory at a time
-        row = method_stats(results, reference, wall_s, compile_s, SpecConfig(name, k).k,
-                           greedy, ids)
         reference = reference or results  # none's
         base = out["none"]["tokens_per_s"] if out else row["tokens_per_s"]
         row["speedup_vs_none"] = row["tokens_per_s"] / base if base > 0 else 0.0
         out[name] = row
         log(f"{name}: {row['generated_tokens']} tokens in {wall_s:.2f} s, "
-            f"{row['tokens_per_s']:.1f} tokens/s, {row['mean_accepted_length']:.3f} per forward")
+            f"{row['tokens_per_s']:.1f} tokens/s, {row['mean_accepted_length']:.3f} per forward"
+            + (f", dispatches per K {row['k_dispatches']}" if "k_dispatches" in row else ""))
     return out
 
 
 def format_table(methods: dict) -> str:
-    head = (f"{'method':<9}{'K':>2} {'accept len':>10}  {'acceptance per depth':<22}"
+    width = max([9] + [len(n) + 1 for n in methods])
+    head = (f"{'method':<{width}}{'K':>4} {'accept len':>10}  {'acceptance per depth':<22}"
             f"{'tokens/s':>9} {'speedup':>8}  {'lossless':<9}{'compile s':>9}")
     lines = [head, "-" * len(head)]
     for name, m in methods.items():
         depth = " ".join(f"{a:.2f}" for a in m["acceptance_per_depth"]) or "-"
         lossless = {None: "n/a", True: "yes", False: f"NO ({len(m['mismatched_ids'] or [])})"}
-        lines.append(f"{name:<9}{m['num_speculative_tokens']:>2} "
+        lines.append(f"{name:<{width}}{m['num_speculative_tokens']:>4} "
                      f"{m['mean_accepted_length']:>10.3f}  {depth:<22}{m['tokens_per_s']:>9.1f} "
                      f"{m['speedup_vs_none']:>7.2f}x  {lossless[m['lossless']]:<9}"
                      f"{m['compile_s']:>9.1f}")
@@ -293,8 +308,9 @@ def parse_args(argv):
     p.add_argument("--limit", type=int, help="use only the first N runnable prompts")
     p.add_argument("--methods", default=",".join(DRAFT_METHODS),
                    help="comma-separated draft methods, compared with none (default: all)")
-    p.add_argument("--num-speculative-tokens", type=int, metavar="K",
-                   help="drafts per step (default: 3, at most the number of MTP modules)")
+    p.add_argument("--num-speculative-tokens", default="auto", metavar="auto|K[,...]",
+                   help="drafts per step: auto (adaptive, the default) or an integer, or a "
+                        "comma-separated list of them to compare (e.g. auto,1,2,3)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--dtype", choices=("bfloat16", "float32"),
@@ -319,9 +335,13 @@ def parse_args(argv):
         p.error(f"--methods: {bad or 'none given'}; choose from {','.join(DRAFT_METHODS)}")
     if args.limit is not None and args.limit < 1:
         p.error("--limit must be >= 1")
-    if args.max_batch < 1 or (args.num_speculative_tokens is not None
-                              and args.num_speculative_tokens < 1):
-        p.error("--max-batch and --num-speculative-tokens must be >= 1")
+    if args.max_batch < 1:
+        p.error("--max-batch must be >= 1")
+    try:
+        args.ks = tuple(dict.fromkeys(parse_num_speculative_tokens(x)
+                                      for x in args.num_speculative_tokens.split(",")))
+    except ValueError as e:
+        p.error(f"--num-speculative-tokens: {e}")
     try:
         args.defaults = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                                        top_k=args.top_k, seed=args.seed,
@@ -346,19 +366,20 @@ def _runnable(ids: list, prompts: list, vocab_size: int, max_len: Optional[int],
 
 
 def num_drafts(args, cfg) -> int:
-    """K: as given, else 3, capped at the module count unless only eagle runs."""
-    k = args.num_speculative_tokens or 3
-    if args.num_speculative_tokens is None and (args.teacher_forced or
-                                                set(args.methods) - {"eagle"}):
-        k = min(k, cfg.num_mtp_modules)
-    if args.teacher_forced and k > cfg.num_mtp_modules:
-        raise Fatal(f"--teacher-forced scores {k} heads; the model has {cfg.num_mtp_modules}")
+    """The largest K any run uses ("auto": the module count, 3 for eagle), every method and
+    K checked against the model first."""
     try:
-        for m in args.methods:
-            SpecConfig(m, num_speculative_tokens=k).validate_for(cfg)
+        specs = [SpecConfig(m, num_speculative_tokens=k).resolve(cfg)
+                 for m in args.methods for k in args.ks]
     except ConfigError as e:
         raise Fatal(str(e)) from None
-    return k
+    if args.teacher_forced:
+        k = max(int(k) if k != "auto" else cfg.num_mtp_modules for k in args.ks)
+        if k > cfg.num_mtp_modules:
+            raise Fatal(f"--teacher-forced scores {k} heads; the model has "
+                        f"{cfg.num_mtp_modules}")
+        return k
+    return max(s.k for s in specs)
 
 
 def evaluate(args, log) -> dict:
@@ -392,7 +413,8 @@ def evaluate(args, log) -> dict:
     num_skipped = len(skipped) + len(prompts) - len(keep)
     ids, prompts = [ids[i] for i in keep], [prompts[i] for i in keep]
     report = {"config": {"model": str(model_dir), "layout": cfg.layout,
-                         "methods": ["none", *args.methods], "num_speculative_tokens": k,
+                         "methods": ["none", *args.methods],
+                         "num_speculative_tokens": list(args.ks),
                          "max_tokens": args.max_tokens, "max_batch": args.max_batch,
                          "max_model_len": max_len, "dataset": args.dataset,
                          "num_prompts": len(prompts),
@@ -411,7 +433,8 @@ def evaluate(args, log) -> dict:
     eng_cfg = EngineConfig(max_batch=args.max_batch, max_model_len=max_len,
                            prefill_chunk=min(256, max(16, 1 << (max_len - 1).bit_length())))
     greedy = all(sp.temperature == 0 for _, sp in prompts)
-    report["methods"] = run_methods(model, requests, ids, args.methods, k, eng_cfg, greedy, log)
+    report["methods"] = run_methods(model, requests, ids, args.methods, args.ks, eng_cfg,
+                                    greedy, log)
     return report
 
 

@@ -18,6 +18,7 @@ run: no model, an unreadable input, an unwritable output, or an invalid engine s
 from __future__ import annotations
 
 import argparse
+import signal
 import dataclasses
 import json
 import math
@@ -30,7 +31,8 @@ from typing import Optional
 from . import compile_cache
 from .checkpoint import CheckpointError, load
 from .compile_cache import add_compile_cache_option
-from .config import METHODS, ConfigError, EngineConfig, SamplingParams, SpecConfig
+from .config import (AUTO, METHODS, ConfigError, EngineConfig, SamplingParams, SpecConfig,
+                     parse_num_speculative_tokens)
 from .engine import Engine, Request
 from .sharding import make_mesh, param_sharding
 
@@ -184,8 +186,10 @@ def parse_args(argv):
     p.add_argument("--output", required=True, help="JSONL results, or - for stdout")
     p.add_argument("--method", choices=METHODS, help="draft strategy (default chain; none "
                                                      "for a model without MTP modules)")
-    p.add_argument("--num-speculative-tokens", type=int, metavar="K",
-                   help="drafts per step (default: min(3, MTP modules); 3 for eagle)")
+    p.add_argument("--num-speculative-tokens", type=_k_arg, default=AUTO, metavar="auto|K",
+                   help="drafts per step: auto (default) picks 0..K for every dispatch, K "
+                        "being the MTP module count (3 for eagle), from measured acceptance "
+                        "and step costs; an integer fixes it")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -213,6 +217,43 @@ def parse_args(argv):
     if args.top_k > INT32_MAX:
         p.error(f"--top-k must be <= {INT32_MAX}")
     return args
+
+
+class _CtrlC:
+    """SIGINT during a job: KeyboardInterrupt at once, and a flag that `check()` (called
+    after every record) turns into one, so an interrupt Python swallows (one raised inside
+    a finalizer or a gc callback is only printed) still ends the job at the next record
+    instead of letting it run to the end."""
+
+    def __init__(self):
+        self.hit = False
+        self._old = None
+
+    def _handler(self, signum, frame):
+        self.hit = True
+        raise KeyboardInterrupt
+
+    def install(self) -> None:
+        try:
+            self._old = signal.signal(signal.SIGINT, self._handler)
+        except ValueError:  # not the main thread: leave Python's handler in place
+            self._old = None
+
+    def restore(self) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+            self._old = None
+
+    def check(self) -> None:
+        if self.hit:
+            raise KeyboardInterrupt
+
+
+def _k_arg(text: str):
+    try:
+        return parse_num_speculative_tokens(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 class Fatal(Exception):
@@ -250,8 +291,6 @@ def make_engine(args):
         raise Fatal("--stop needs a tokenizer and the model has no tokenizer.json")
     method = args.method or ("chain" if cfg.num_mtp_modules else "none")
     k = args.num_speculative_tokens
-    if k is None:
-        k = 3 if method == "eagle" else max(1, min(3, cfg.num_mtp_modules))
     max_len = args.max_model_len
     max_len = min(2048, cfg.max_position_embeddings) if max_len is None else max_len
     if max_len > cfg.max_position_embeddings:
@@ -310,7 +349,7 @@ def run(engine: Engine, requests: list, ids: list, emit, has_tokenizer: bool) ->
 
     compile_s = engine.warmup() if requests else 0.0
     bar = tqdm(total=len(requests), file=sys.stderr, unit="req", disable=None)
-    ok, gen, fwd, steps, acc = 0, 0, 0, 0, [0] * engine.spec.k
+    ok, gen, fwd, acc, tried = 0, 0, 0, [0] * engine.spec.k, [0] * engine.spec.k
     t0 = time.perf_counter()
     for res in engine.stream(requests) if requests else ():  # stream() would compile
         rec = record(ids[res.id], res, has_tokenizer)
@@ -318,19 +357,32 @@ def run(engine: Engine, requests: list, ids: list, emit, has_tokenizer: bool) ->
         ok += rec.get("finish_reason") in ("stop", "length")
         if "token_ids" in rec:  # it ran (maybe until NaN logits stopped it)
             gen, fwd = gen + len(res.token_ids), fwd + res.num_steps + 1
-            steps += res.num_steps
             acc = [a + b for a, b in zip(acc, res.accepted_per_depth)]
+            tried = [a + b for a, b in zip(tried, res.verified_per_depth)]
         bar.set_postfix_str(f"{gen / (time.perf_counter() - t0):.1f} tok/s, "
                             f"{gen / max(fwd, 1):.2f} tokens/forward", refresh=False)
         bar.update(1)
     run_s = time.perf_counter() - t0
     bar.close()
-    depth = " ".join(f"{a / max(steps, 1):.3f}" for a in acc) or "- (no drafts)"
-    return (f"compile {compile_s:.1f} s | run {run_s:.2f} s | {ok} ok, "
-            f"{len(requests) - ok} errors while running\n"
-            f"generated {gen} tokens | {gen / max(run_s, 1e-9):.1f} tokens/s | "
-            f"mean accepted length {gen / max(fwd, 1):.3f} tokens per target forward\n"
-            f"acceptance per depth: {depth}")
+    depth = " ".join(f"{a / max(t, 1):.3f}" for a, t in zip(acc, tried)) or "- (no drafts)"
+    lines = [f"compile {compile_s:.1f} s | run {run_s:.2f} s | {ok} ok, "
+             f"{len(requests) - ok} errors while running",
+             f"generated {gen} tokens | {gen / max(run_s, 1e-9):.1f} tokens/s | "
+             f"mean accepted length {gen / max(fwd, 1):.3f} tokens per target forward",
+             f"acceptance per depth: {depth}"]
+    if engine.control is not None:
+        lines.append(f"drafts verified per dispatch (adaptive): {schedule_line(engine.control)}")
+    return "\n".join(lines)
+
+
+def schedule_line(control) -> str:
+    """Dispatches per step kind, and a verdict when speculation never paid."""
+    counts = control.counts()
+    line = ", ".join(f"K={k}: {n}" for k, n in counts.items()) + " dispatches"
+    best = control.best() if all(c is not None for c in control.cost) else None
+    if best == 0:
+        line += " (speculation off: it did not pay on this machine)"
+    return line
 
 
 def main(argv=None) -> int:
@@ -356,21 +408,29 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
 
+    ctrl_c = _CtrlC()
+
     def emit(rec: dict) -> None:
         out.write(json.dumps(rec).encode() + b"\n")
         out.flush()
+        ctrl_c.check()
 
     try:
+        ctrl_c.install()
         requests, ids, bad, skipped = read_requests(data, skip, engine, args.defaults, emit,
                                                     frozenset(reported))
-        print(f"{engine.spec.method} K={engine.spec.k} on {model_dir}: {len(requests)} "
+        k = f"auto (0..{engine.spec.k})" if engine.spec.adaptive else engine.spec.k
+        print(f"{engine.spec.method} K={k} on {model_dir}: {len(requests)} "
               f"requests, {bad} lines in error, {skipped} skipped (already in the output)",
               file=sys.stderr)
         summary = run(engine, requests, ids, emit, model.tokenizer is not None)
+        ctrl_c.check()
     except KeyboardInterrupt:
         print("interrupted: every record written so far is whole; rerun with --resume",
               file=sys.stderr)
         return 130
+    finally:
+        ctrl_c.restore()
     if out is not sys.stdout.buffer:
         os.fsync(out.fileno())
         out.close()

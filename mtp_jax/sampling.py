@@ -15,6 +15,11 @@ Acceptance of K drafts from the target's K+1 verify rows:
 - greedy: n = sum(cumprod(draft == argmax)); the bonus is the argmax of row n;
 - sampled: draft j accepted when u < p_j(d) / q_j(d); on the first rejection the token is
   drawn from the residual max(p - q, 0) (renormalized), else from row K;
+- coupled (adaptive speculation): every row draws the target's own sample with the key of
+  its position (SALT_TARGET, as plain decoding does) and a draft is accepted when it equals
+  that sample; drafts are drawn with the same key, so a good draft usually matches. The
+  output is then token for token what plain decoding gives for the seed, whatever K and
+  drafts were used (a few points less acceptance than rejection sampling);
 - relaxed (TensorRT-LLM, greedy rows in a thinking phase): a draft is also accepted when
   it is among the target's top `relaxed_topk` and within `relaxed_delta` of the top-1
   probability; the phase is switched by the think begin / end token ids as tokens commit.
@@ -126,13 +131,14 @@ def think_phase(tokens, start, begin_id, end_id):
 
 
 def accept(target_logits, drafts, draft_logp, positions, seeds, temperature, top_k, top_p,
-           *, relaxed=None):
+           *, relaxed=None, coupled=False):
     """Verify K drafts against K+1 target rows.
 
     target_logits [b, K+1, v] (row j predicts the token at positions[:, j]),
     drafts [b, K], draft_logp [b, K, v] (processed draft log-probs, used by sampled rows),
     positions [b, K+1], seeds [b, 2]. `relaxed`: None or (enabled [b], think [b],
-    topk, delta, begin_id, end_id) for greedy rows.
+    topk, delta, begin_id, end_id) for greedy rows. `coupled`: sampled rows verify by
+    coupled sampling (draft_logp unused; a draft of -1 never matches).
     Returns (n [b] accepted drafts, tokens [b, K+1] = d_1..d_n, bonus, then padding,
     think state after the committed tokens or None).
     """
@@ -154,6 +160,11 @@ def accept(target_logits, drafts, draft_logp, positions, seeds, temperature, top
 
     def sampled():
         logp = process_logits(target_logits, temperature, top_k, top_p)  # [b, K+1, v]
+        if coupled:
+            own = gumbel_argmax(logp, row_keys(seeds, positions, SALT_TARGET))  # [b, K+1]
+            n = jnp.sum(jnp.cumprod((drafts == own[:, :k]).astype(jnp.int32), axis=-1),
+                        axis=-1) if k else jnp.zeros((b,), jnp.int32)
+            return n, jnp.take_along_axis(own, n[:, None], axis=1)[:, 0]
         if k == 0:
             n = jnp.zeros((b,), jnp.int32)
         else:

@@ -67,8 +67,9 @@ class DecodeState:
     relaxed: jax.Array  # [B] bool   request allows relaxed acceptance
     think: jax.Array  # [B] bool   inside a thinking phase
     # speculation
-    drafts: jax.Array  # [B, K] int32  drafts for the next verify
-    draft_logp: jax.Array  # [B, K, V] f32  their processed draft log-probs
+    drafts: jax.Array  # [B, K] int32  drafts for the next verify (-1: none at that depth)
+    draft_logp: jax.Array  # [B, K, V] f32  their processed draft log-probs ([B, K, 0] when
+    #                        sampled rows verify by coupling, which does not read them)
     hist_tokens: jax.Array  # [B, K] int32  carry: MTP input tokens t_{p+1}, p = a-K+1..a
     hist_hidden: jax.Array  # [B, K, D]  carry: target hiddens H_p, same positions
     # paged KV
@@ -78,6 +79,7 @@ class DecodeState:
     # statistics and output
     steps: jax.Array  # [B] int32  target verify forwards
     accepted: jax.Array  # [B, K] int32  steps whose draft at depth d was accepted
+    drafted: jax.Array  # [B, K] int32  steps that verified a draft at depth d
     out_tokens: jax.Array  # [B, T] int32  generated tokens
     # prefill scratch for the request being admitted (index O + p for position p, O = K+1;
     # rows below O are never written, so window rows before position 0 read zeros)
@@ -100,6 +102,16 @@ class Static:
         return self.spec.k
 
     @property
+    def coupled(self) -> bool:
+        """Sampled rows verify by coupled sampling (adaptive K: output independent of K)."""
+        return self.spec.adaptive
+
+    @property
+    def kinds(self) -> tuple:
+        """The step kinds (drafts verified per step) this engine compiles."""
+        return tuple(range(self.k + 1)) if self.spec.adaptive else (self.k,)
+
+    @property
     def offset(self) -> int:
         """Scratch index of position 0 (room for the window's rows before the prompt)."""
         return self.spec.k + 1
@@ -120,11 +132,11 @@ def init_state(st: Static, hidden_dtype) -> DecodeState:
         sampling=SamplingState(jnp.zeros((b,), jnp.float32), zi(b),
                                jnp.ones((b,), jnp.float32), jnp.zeros((b, 2), jnp.uint32)),
         relaxed=jnp.zeros((b,), bool), think=jnp.zeros((b,), bool),
-        drafts=zi(b, k), draft_logp=jnp.zeros((b, k, v), jnp.float32),
+        drafts=zi(b, k), draft_logp=jnp.zeros((b, k, 0 if st.coupled else v), jnp.float32),
         hist_tokens=zi(b, k), hist_hidden=jnp.zeros((b, k, d), hidden_dtype),
         caches=init_caches(st.layout),
         block_tables=tuple(zi(b, st.layout.width) for _ in st.layout.groups),
-        steps=zi(b), accepted=zi(b, k), out_tokens=zi(b, eng.max_model_len),
+        steps=zi(b), accepted=zi(b, k), drafted=zi(b, k), out_tokens=zi(b, eng.max_model_len),
         prefill_tokens=zi(st.scratch_len), prefill_hidden=jnp.zeros((st.scratch_len, d),
                                                                       hidden_dtype))
 
@@ -142,13 +154,17 @@ def _mtp_table(st: Static, block_tables):
 
 
 # ---------------------------------------------------------------------------- the step
-def decode_step(model, s: Static, st: DecodeState) -> DecodeState:
-    k, eng = s.k, s.eng
+def decode_step(model, s: Static, st: DecodeState, kr: Optional[int] = None) -> DecodeState:
+    """One verify + accept + draft step of kind kr (drafts verified and drafted next,
+    0..K; default K). The carry and the state stay K wide whatever the kind."""
+    k, eng = (s.k if kr is None else kr), s.eng
     b = st.length.shape[0]
     run = st.active & (st.finish == FINISH_NONE)
     length = st.length
     idx = jnp.arange(k + 1)
-    toks = jnp.concatenate([st.last_token[:, None], st.drafts], axis=1)  # [B, K+1]
+    drafts_in = st.drafts[:, :k]
+    # depths without a draft hold -1: never accepted, fed to the target as token 0
+    toks = jnp.concatenate([st.last_token[:, None], jnp.maximum(drafts_in, 0)], axis=1)
     pos = length[:, None] - 1 + idx  # [B, K+1]
     limit = jnp.where(run, st.limit, 0)
     kv = PagedKV(s.layout, st.caches, st.block_tables, limit, backend=eng.attention_backend,
@@ -163,8 +179,9 @@ def decode_step(model, s: Static, st: DecodeState) -> DecodeState:
         if s.spec.relaxed_acceptance:
             relaxed = (st.relaxed, st.think, s.spec.relaxed_topk, s.spec.relaxed_delta,
                        s.spec.think_begin_id, s.spec.think_end_id)
-        n, new_toks, think = accept(logits, st.drafts, st.draft_logp, pos + 1, sp.seed,
-                                    sp.temperature, sp.top_k, sp.top_p, relaxed=relaxed)
+        n, new_toks, think = accept(logits, drafts_in, st.draft_logp[:, :k], pos + 1, sp.seed,
+                                    sp.temperature, sp.top_k, sp.top_p, relaxed=relaxed,
+                                    coupled=s.coupled)
     with jax.named_scope("emit"):
         m = n + 1
         used = idx[None] <= n[:, None]
@@ -185,18 +202,32 @@ def decode_step(model, s: Static, st: DecodeState) -> DecodeState:
         out_tokens = st.out_tokens.at[jnp.arange(b)[:, None], out_idx].set(new_toks, mode="drop")
     new_len = length + m
     last = jnp.take_along_axis(new_toks, n[:, None], axis=1)[:, 0]
+    pad = s.k - k  # depths this kind does not verify
+    depth = jnp.arange(s.k)[None]
     upd = dict(finish=finish, length=new_len, last_token=last, num_generated=gen,
-               steps=st.steps + 1, accepted=st.accepted + (jnp.arange(k)[None] < n[:, None]))
+               steps=st.steps + 1, accepted=st.accepted + (depth < n[:, None]),
+               drafted=st.drafted + ((depth < k) & (st.drafts >= 0)))
     if think is not None:
         upd["think"] = think
-    if k:
+    if s.k:
         with jax.named_scope("shift"):
+            hid = hid.astype(st.hist_hidden.dtype)
+            if pad:  # the carry is K wide: rows past n are never read
+                new_toks = jnp.pad(new_toks, ((0, 0), (0, pad)))
+                hid = jnp.pad(hid, ((0, 0), (0, pad), (0, 0)))
             win_t, win_h, win_pos, hist_t, hist_h = _shift(
-                s, st.hist_tokens, st.hist_hidden, new_toks, hid.astype(st.hist_hidden.dtype), n,
-                length + n - 1, _mtp_table(s, st.block_tables), limit)
-        with jax.named_scope("draft"):
-            drafts, logp = draft(model, s.spec.method, k, kv, win_t, win_h, win_pos, sp)
-        upd.update(drafts=drafts, draft_logp=logp, hist_tokens=hist_t, hist_hidden=hist_h)
+                s, st.hist_tokens, st.hist_hidden, new_toks, hid, n, length + n - 1,
+                _mtp_table(s, st.block_tables), limit)
+        upd.update(hist_tokens=hist_t, hist_hidden=hist_h)
+        drafts = jnp.full((b, s.k), -1, jnp.int32)
+        if k:
+            with jax.named_scope("draft"):
+                d, logp = draft(model, s.spec.method, k, kv, win_t, win_h, win_pos, sp,
+                                coupled=s.coupled)
+            drafts = drafts.at[:, :k].set(d)
+            if not s.coupled:
+                upd["draft_logp"] = logp
+        upd["drafts"] = drafts
     fields = {f: getattr(st, f) for f in upd}
     merged = _where(run, upd, fields)
     return st.replace(caches=tuple(kv.caches), out_tokens=out_tokens, **merged)
@@ -218,14 +249,16 @@ def _shift(s: Static, hist_t, hist_h, new_t, new_h, n, anchor, table, limit):
     return fn(hist_t, hist_h, new_t, new_h, n, anchor, table, limit)
 
 
-def run_steps(model, s: Static, st: DecodeState, num_steps) -> DecodeState:
+def run_steps(model, s: Static, st: DecodeState, num_steps, kr: Optional[int] = None
+              ) -> DecodeState:
+    """Up to num_steps steps of kind kr (default K) while any slot runs."""
     def cond(c):
         i, st = c
         return (i < num_steps) & jnp.any(st.active & (st.finish == FINISH_NONE))
 
     def body(c):
         i, st = c
-        return i + 1, decode_step(model, s, st)
+        return i + 1, decode_step(model, s, st, kr)
 
     return jax.lax.while_loop(cond, body, (jnp.int32(0), st))[1]
 
@@ -255,7 +288,7 @@ def admit(s: Static, st: DecodeState, slot, prompt, limit, max_tokens, stop_ids,
         sampling=SamplingState(put(sp.temperature, temperature), put(sp.top_k, top_k),
                                put(sp.top_p, top_p), put(sp.seed, seed)),
         relaxed=put(st.relaxed, relaxed), think=put(st.think, think),
-        steps=put(st.steps, 0), accepted=put(st.accepted, 0),
+        steps=put(st.steps, 0), accepted=put(st.accepted, 0), drafted=put(st.drafted, 0),
         block_tables=tuple(put(bt, table_rows[g]) for g, bt in enumerate(st.block_tables)),
         caches=tuple(caches), prefill_tokens=prompt)
 
@@ -333,9 +366,11 @@ def prefill_finish(model, s: Static, st: DecodeState, slot, logits, prompt_len):
         win_h = jax.lax.dynamic_slice_in_dim(st.prefill_hidden, o + a - k, k + 1)[None]
         win_pos = (a - k + jnp.arange(k + 1))[None]
         kv = _slot_kv(s, st, slot, st.limit[slot])
-        drafts, logp = draft(model, s.spec.method, k, kv, win_t, win_h, win_pos, sp)
+        drafts, logp = draft(model, s.spec.method, k, kv, win_t, win_h, win_pos, sp,
+                             coupled=s.coupled)
+        if not s.coupled:
+            upd["draft_logp"] = st.draft_logp.at[slot].set(logp[0])
         upd.update(drafts=st.drafts.at[slot].set(drafts[0]),
-                   draft_logp=st.draft_logp.at[slot].set(logp[0]),
                    hist_tokens=st.hist_tokens.at[slot].set(win_t[0, 1:]),
                    hist_hidden=st.hist_hidden.at[slot].set(win_h[0, 1:]),
                    caches=tuple(kv.caches))
@@ -376,11 +411,17 @@ class Programs:
 
         return jax.jit(traced, donate_argnums=(1 if with_params else 0,), **kw)
 
-    @functools.cached_property
-    def run_steps(self):
+    @functools.cache
+    def steps(self, kind: int):
+        """The multi-step program of one step kind (drafts verified per step)."""
         def f(params, st, num_steps):
-            return run_steps(self._merge(params), self.static, st, num_steps)
+            return run_steps(self._merge(params), self.static, st, num_steps, kind)
         return self._jit(f, 1)
+
+    @property
+    def run_steps(self):
+        """The multi-step program at the full K."""
+        return self.steps(self.static.k)
 
     @functools.cached_property
     def admit(self):

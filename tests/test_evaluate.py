@@ -80,7 +80,7 @@ def test_report_schema(spec_run, files):
     assert list(rep["methods"]) == ["none", "chain", "eagle"]
     cfg = rep["config"]
     assert cfg["model"] == str(files / "model") and cfg["layout"] == "mimo"
-    assert (cfg["num_speculative_tokens"], cfg["max_tokens"], cfg["max_batch"]) == (K, 8, 2)
+    assert (cfg["num_speculative_tokens"], cfg["max_tokens"], cfg["max_batch"]) == ([K], 8, 2)
     assert cfg["methods"] == ["none", "chain", "eagle"]
     assert cfg["num_prompts"] == 4 and cfg["skipped"] == 0 and cfg["temperature"] == 0.0
     assert cfg["dataset"] == str(files / "data.jsonl")
@@ -88,7 +88,7 @@ def test_report_schema(spec_run, files):
     import jax
     assert rep["device"]["jax"] == jax.__version__
     assert rep["device"]["kind"] == jax.devices()[0].device_kind
-    keys = {"num_speculative_tokens", "num_requests", "num_errors", "generated_tokens",
+    keys = {"num_speculative_tokens", "max_speculative_tokens", "num_requests", "num_errors", "generated_tokens",
             "target_forwards", "mean_accepted_length", "acceptance_per_depth", "tokens_per_s",
             "speedup_vs_none", "wall_s", "compile_s", "lossless", "mismatched_ids"}
     for m in rep["methods"].values():
@@ -194,7 +194,30 @@ def test_teacher_forced_matches_direct_computation(files):
     assert out.splitlines()[0].split()[:2] == ["head", "agreement"]
 
 
+def test_adaptive_and_fixed_k_side_by_side(files):
+    """`--num-speculative-tokens auto,1`: one row per K, the adaptive row with its
+    dispatches per step kind; every row lossless."""
+    rc, out, err = call(["--model", files / "model", "--dataset", files / "data.jsonl",
+                         "--max-tokens", MAX_TOKENS, "--max-batch", 2, "--methods", "chain",
+                         "--num-speculative-tokens", "auto,1", "--output",
+                         files / "auto.json"])
+    assert rc == 0, err
+    rep = json.loads((files / "auto.json").read_text())
+    assert rep["config"]["num_speculative_tokens"] == ["auto", 1]
+    rows = rep["methods"]
+    assert list(rows) == ["none", "chain/auto", "chain/1"]
+    auto, one = rows["chain/auto"], rows["chain/1"]
+    assert (auto["num_speculative_tokens"], auto["max_speculative_tokens"]) == ("auto", 3)
+    assert (one["num_speculative_tokens"], one["max_speculative_tokens"]) == (1, 1)
+    assert auto["lossless"] is True and one["lossless"] is True
+    assert set(auto["k_dispatches"]) <= {"0", "1", "2", "3"} and "3" in auto["k_dispatches"]
+    assert sum(auto["k_dispatches"].values()) == sum(n for _, n in auto["k_schedule"])
+    assert "k_dispatches" not in one
+    assert "chain/auto" in out and "auto" in out
+
+
 def test_method_stats_accounting():
+    from mtp_jax.config import SpecConfig
     from mtp_jax.engine import Result
     from mtp_jax.evaluate import method_stats
 
@@ -202,12 +225,12 @@ def test_method_stats_accounting():
            Result(1, [5, 6], "length", 2, num_steps=1)]
     spec = [Result(0, [1, 2, 3, 4], "length", 3, num_steps=1, accepted_per_depth=[1, 1]),
             Result(1, [5, 7], "length", 2, num_steps=1, accepted_per_depth=[0, 0])]
-    row = method_stats(spec, ref, 2.0, 1.0, 2, True, ["a", "b"])
+    row = method_stats(spec, ref, 2.0, 1.0, SpecConfig("chain", 2), True, ["a", "b"])
     assert row["generated_tokens"] == 6 and row["target_forwards"] == 4
     assert row["mean_accepted_length"] == 1.5 and row["tokens_per_s"] == 3.0
     assert row["acceptance_per_depth"] == [0.5, 0.5]
     assert row["lossless"] is False and row["mismatched_ids"] == ["b"]
-    sampled = method_stats(spec, ref, 2.0, 1.0, 2, False, ["a", "b"])
+    sampled = method_stats(spec, ref, 2.0, 1.0, SpecConfig("chain", 2), False, ["a", "b"])
     assert sampled["lossless"] is None and sampled["mismatched_ids"] is None
 
 

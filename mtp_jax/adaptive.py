@@ -1,0 +1,120 @@
+"""Adaptive speculation: how many drafts each dispatch verifies (the step kind, 0..K).
+
+Speculation pays only when a verify of k+1 tokens plus k drafts costs less than the
+tokens it commits would cost one by one: true for large models at small batch, false
+for tiny models on a CPU or at large batch. So the engine compiles one multi-step program
+per kind and, between dispatches, this controller picks the kind of the next one:
+
+- cost: wall seconds per step of each kind, measured on the real job (dispatch time over
+  the loop iterations it ran), smoothed over dispatches;
+- acceptance: r_d, the share of verified depth-d drafts that were accepted (which
+  includes the acceptance of every earlier depth), from decayed counts, so a kind k is
+  expected to commit 1 + r_1 + ... + r_k tokens per step;
+- choice: the kind with the most expected tokens per second. Every kind is measured once
+  at the start (K first, for the acceptance of every depth, then 0, then the rest); after
+  that the least recently measured kind runs as a check every `interval` dispatches, an
+  interval that doubles (up to `max_interval`) each time the check leaves the choice as
+  it was and falls back to `min_interval` when it changes it.
+
+Only timing and acceptance counts decide; nothing here touches the tokens. Greedy output
+is identical to plain decoding whatever the schedule, and sampled rows verify by coupled
+sampling under adaptive K (sampling.accept), so they too are the same for every schedule.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+
+class KController:
+    def __init__(self, k_max: int, *, decay: float = 0.9, cost_smoothing: float = 0.3,
+                 min_interval: int = 8, max_interval: int = 256, prior: float = 0.5,
+                 prior_weight: float = 2.0):
+        if k_max < 1:
+            raise ValueError("adaptive speculation needs K >= 1")
+        self.k_max = k_max
+        self.decay, self.alpha = decay, cost_smoothing
+        self.min_interval, self.max_interval = min_interval, max_interval
+        self.prior, self.prior_weight = prior, prior_weight
+        self.cost: list = [None] * (k_max + 1)  # seconds per step
+        self.measured = [-1] * (k_max + 1)  # dispatch index of the last measurement
+        self.acc = np.zeros(k_max)  # decayed accepted counts per depth
+        self.tried = np.zeros(k_max)  # decayed verified-draft counts per depth
+        self.dispatches = 0
+        self.interval = min_interval
+        self.next_check = 0
+        self._check: Optional[int] = None  # the choice a running check is measured against
+        self.schedule: list = []  # run-length [kind, dispatches]
+
+    # ------------------------------------------------------------------ model
+    def rates(self) -> np.ndarray:
+        """r_d: accepted / verified drafts at depth d (prior-smoothed)."""
+        w = self.prior_weight
+        return (self.acc + w * self.prior) / (self.tried + w)
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens one step of kind k commits on average."""
+        return 1.0 + float(np.sum(self.rates()[:k]))
+
+    def tokens_per_second(self, k: int) -> Optional[float]:
+        c = self.cost[k]
+        return None if c is None else self.expected_tokens(k) / c
+
+    def best(self) -> int:
+        rates = {k: self.tokens_per_second(k) for k in range(self.k_max + 1)}
+        return max((k for k, r in rates.items() if r is not None), key=lambda k: rates[k])
+
+    # --------------------------------------------------------------- decisions
+    def choose(self) -> int:
+        """The kind of the next dispatch."""
+        for k in (self.k_max, 0, *range(1, self.k_max)):
+            if self.cost[k] is None:
+                return k
+        best = self.best()
+        if self.dispatches >= self.next_check:
+            others = [k for k in range(self.k_max + 1) if k != best]
+            self._check = best
+            return min(others, key=lambda k: self.measured[k])
+        return best
+
+    def update(self, kind: int, seconds: float, steps: int, accepted, verified) -> None:
+        """Record a dispatch of `kind`: its wall seconds, loop iterations, and the accepted
+        / verified draft counts per depth [K] summed over its slots."""
+        if self.schedule and self.schedule[-1][0] == kind:
+            self.schedule[-1][1] += 1
+        else:
+            self.schedule.append([kind, 1])
+        self.dispatches += 1
+        if steps > 0 and seconds > 0:
+            c = seconds / steps
+            old = self.cost[kind]
+            self.cost[kind] = c if old is None else (1 - self.alpha) * old + self.alpha * c
+            self.measured[kind] = self.dispatches
+        seen = np.asarray(verified, float)[: self.k_max] > 0
+        self.acc = np.where(seen, self.decay * self.acc + np.asarray(accepted, float), self.acc)
+        self.tried = np.where(seen, self.decay * self.tried + np.asarray(verified, float),
+                              self.tried)
+        if self._check is not None:
+            same = self.best() == self._check
+            self.interval = min(2 * self.interval, self.max_interval) if same \
+                else self.min_interval
+            self._check = None
+            self.next_check = self.dispatches + self.interval
+        elif all(c is not None for c in self.cost) and self.next_check == 0:
+            self.next_check = self.dispatches + self.interval
+
+    def summary(self) -> str:
+        """The schedule as `k=3 x2, k=0 x40, ...` (run-length, in dispatch order)."""
+        return ", ".join(f"k={k} x{n}" for k, n in self.schedule) or "no dispatches"
+
+    def counts(self) -> dict:
+        """Dispatches per kind."""
+        out: dict = {}
+        for k, n in self.schedule:
+            out[k] = out.get(k, 0) + n
+        return dict(sorted(out.items()))
+
+
+__all__ = ["KController"]

@@ -1,0 +1,189 @@
+"""Adaptive speculation: the controller's choices, and output that never depends on them.
+
+Engine tests drive the schedule themselves (a controller whose choices follow a fixed
+cycle of step kinds, transitions between every pair of kinds included), so they check
+that any schedule the real controller could pick keeps greedy output equal to the
+reference and seeded sampled output equal to plain decoding with the same seed.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from mtp_jax.adaptive import KController
+from mtp_jax.config import ConfigError, EngineConfig, SamplingParams, SpecConfig
+from mtp_jax.engine import Engine, Request
+from mtp_jax.generate import parse_args
+from mtp_jax.reference import generate_reference
+
+from spec_models import markov_model
+
+MAX_LEN = 64
+ENGINE = EngineConfig(max_batch=3, max_model_len=MAX_LEN, page_size=8, prefill_chunk=16,
+                      steps_per_dispatch=3)
+# every ordered pair of kinds 0..3 follows each other somewhere in the cycle
+CYCLE = [3, 0, 1, 2, 3, 1, 0, 2, 0, 3, 2, 1, 3, 3]
+
+
+class Scripted(KController):
+    """The real controller's bookkeeping, with the kinds taken from a fixed cycle."""
+
+    def __init__(self, k_max, kinds):
+        super().__init__(k_max)
+        self._kinds = itertools.cycle(kinds)
+
+    def choose(self) -> int:
+        return next(self._kinds)
+
+
+# --------------------------------------------------------------------- controller
+def feed(ctl: KController, cost, rate, dispatches: int, steps: int = 10, rows: int = 4):
+    """Dispatches with per-step cost[k] seconds and acceptance rate[d] per depth."""
+    for _ in range(dispatches):
+        k = ctl.choose()
+        tried = np.array([steps * rows if d < k else 0 for d in range(ctl.k_max)])
+        ctl.update(k, cost[k] * steps, steps, np.round(tried * np.asarray(rate)), tried)
+
+
+def test_controller_measures_every_kind_first_full_k_first():
+    ctl = KController(3)
+    order = []
+    for _ in range(4):
+        order.append(ctl.choose())
+        ctl.update(order[-1], 1.0, 10, np.zeros(3), np.zeros(3))
+    assert order == [3, 0, 1, 2]
+
+
+def test_controller_picks_speculation_when_it_pays():
+    # verify + drafts cost 1.3x a plain step, drafts mostly accepted: 3.4 tokens per 1.3
+    ctl = KController(3)
+    feed(ctl, cost=[1.0, 1.1, 1.2, 1.3], rate=[0.9, 0.8, 0.7], dispatches=200)
+    assert ctl.best() == 3
+    assert ctl.counts()[3] > 0.9 * 200
+    assert ctl.interval >= 16 * ctl.min_interval  # every check confirmed the choice
+
+
+def test_controller_turns_speculation_off_when_it_does_not_pay():
+    # a tiny model on a CPU: each draft costs almost a plain step
+    ctl = KController(3)
+    feed(ctl, cost=[1.0, 1.9, 2.8, 3.7], rate=[0.6, 0.4, 0.3], dispatches=300)
+    assert ctl.best() == 0
+    assert ctl.counts()[0] > 0.95 * 300
+    assert "k=0" in ctl.summary()
+
+
+def test_controller_follows_a_change_of_regime():
+    ctl = KController(2)
+    feed(ctl, cost=[1.0, 1.1, 1.2], rate=[0.9, 0.9], dispatches=60)
+    assert ctl.best() == 2
+    feed(ctl, cost=[1.0, 3.0, 5.0], rate=[0.9, 0.9], dispatches=600)  # e.g. a full batch
+    assert ctl.best() == 0
+    assert ctl.schedule[-1][0] == 0
+
+
+def test_controller_middle_k_when_deep_drafts_fail():
+    ctl = KController(3)
+    feed(ctl, cost=[1.0, 1.05, 1.1, 1.15], rate=[0.9, 0.05, 0.01], dispatches=200)
+    assert ctl.best() == 1
+
+
+# ---------------------------------------------------------------------- config / CLI
+def test_auto_is_the_default_and_resolves_to_the_module_count():
+    assert SpecConfig().num_speculative_tokens == "auto"
+    cfg = markov_model("mimo", seed=1).config
+    spec = SpecConfig().resolve(cfg)
+    assert (spec.k, spec.adaptive) == (cfg.num_mtp_modules, True)
+    assert SpecConfig("eagle").resolve(cfg).k == 3
+    assert SpecConfig("chain", 2).resolve(cfg) == SpecConfig("chain", 2)  # fixed: not adaptive
+    none = SpecConfig("none").resolve(cfg)
+    assert (none.k, none.adaptive) == (0, False)
+    with pytest.raises(ConfigError, match="auto"):
+        SpecConfig("chain", "sometimes")
+    with pytest.raises(ConfigError, match="resolve"):
+        SpecConfig("chain").k
+    with pytest.raises(ConfigError, match="MTP modules"):
+        SpecConfig("chain").resolve(markov_model("mimo", seed=1, mtp=0).config)
+
+
+def test_cli_takes_auto_or_an_integer():
+    base = ["--input", "x.jsonl", "--output", "y.jsonl"]
+    assert parse_args(base).num_speculative_tokens == "auto"
+    assert parse_args(base + ["--num-speculative-tokens", "AUTO"]).num_speculative_tokens == "auto"
+    assert parse_args(base + ["--num-speculative-tokens", "2"]).num_speculative_tokens == 2
+    for bad in ("0", "x"):
+        with pytest.raises(SystemExit):
+            parse_args(base + ["--num-speculative-tokens", bad])
+
+
+# --------------------------------------------------------------------------- engine
+@pytest.fixture(scope="module")
+def model():
+    return markov_model("deepseek_v3", target_noise=0.5, mtp_noise=0.2, seed=1)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(5)
+    return [rng.integers(0, 61, size=n).tolist() for n in (3, 9, 17, 30)]
+
+
+_engines: dict = {}
+
+
+def engine(model, method, kinds=None) -> Engine:
+    if method not in _engines:
+        _engines[method] = Engine(model, SpecConfig(method), ENGINE)
+    eng = _engines[method]
+    eng.control = Scripted(eng.spec.k, kinds or CYCLE)
+    return eng
+
+
+@pytest.mark.parametrize("method", ["chain", "eagle", "per_step"])
+def test_any_schedule_is_lossless_greedy(model, prompts, method):
+    eng = engine(model, method)
+    assert eng.spec.adaptive and eng.spec.k == 3
+    budgets = (30, 21, 40, 25)
+    results = eng.generate([Request(i, p, SamplingParams(max_tokens=b))
+                            for i, (p, b) in enumerate(zip(prompts, budgets))])
+    for p, b, res in zip(prompts, budgets, results):
+        want, reason = generate_reference(model, p, SamplingParams(max_tokens=b),
+                                          max_len=MAX_LEN)
+        assert (res.token_ids, res.finish_reason) == (want, reason)
+    # every kind ran, drafts were verified at every depth and some accepted
+    assert set(eng.control.counts()) == {0, 1, 2, 3}
+    tried = np.sum([r.drafted_per_depth for r in results], 0)
+    acc = np.sum([r.accepted_per_depth for r in results], 0)
+    assert (tried > 0).all() and acc.sum() > 0 and (acc <= tried).all()
+    # fewer steps verify deep drafts than steps run: the shallow kinds left them out
+    assert tried[2] < sum(r.num_steps for r in results)
+
+
+@pytest.mark.parametrize("method", ["chain", "eagle"])
+def test_seeded_sampling_equals_plain_decoding_whatever_the_schedule(model, prompts, method):
+    sp = [SamplingParams(temperature=t, top_k=k, top_p=p, seed=s, max_tokens=24)
+          for t, k, p, s in ((1.0, 0, 1.0, 7), (0.8, 5, 0.9, 8), (0.0, 0, 1.0, 9),
+                             (1.3, 0, 0.95, 10))]
+    reqs = [Request(i, p, s) for i, (p, s) in enumerate(zip(prompts, sp))]
+    plain = [generate_reference(model, p, s, max_len=MAX_LEN)[0] for p, s in zip(prompts, sp)]
+    eng = engine(model, method)
+    for kinds in (CYCLE, [3], [1, 3, 0]):
+        eng.control = Scripted(3, kinds)
+        got = eng.generate(reqs)
+        assert [r.token_ids for r in got] == plain, kinds
+    assert sum(sum(r.accepted_per_depth) for r in got) > 0  # drafts did get accepted
+
+
+def test_real_controller_on_the_job_stays_lossless(model, prompts):
+    eng = engine(model, "chain")
+    eng.control = KController(3)
+    before = eng.stats["dispatches"]
+    res = eng.generate([Request(i, p, SamplingParams(max_tokens=30))
+                        for i, p in enumerate(prompts)])
+    for p, r in zip(prompts, res):
+        assert r.token_ids == generate_reference(model, p, SamplingParams(max_tokens=30),
+                                                 max_len=MAX_LEN)[0]
+    assert sum(n for _, n in eng.control.schedule) == eng.stats["dispatches"] - before
+    assert all(c is not None for c in eng.control.cost)  # every kind was timed
