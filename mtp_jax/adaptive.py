@@ -10,11 +10,14 @@ per kind and, between dispatches, this controller picks the kind of the next one
 - acceptance: r_d, the share of verified depth-d drafts that were accepted (which
   includes the acceptance of every earlier depth), from decayed counts, so a kind k is
   expected to commit 1 + r_1 + ... + r_k tokens per step;
-- choice: the kind with the most expected tokens per second. Every kind is measured once
-  at the start (K first, for the acceptance of every depth, then 0, then the rest); after
-  that the least recently measured kind runs as a check every `interval` dispatches, an
-  interval that doubles (up to `max_interval`) each time the check leaves the choice as
-  it was and falls back to `min_interval` when it changes it.
+- choice: the kind with the most expected tokens per second. K is measured first (for the
+  acceptance of every depth), then 0; a kind in between is estimated by interpolating
+  the two costs (each draft adds about the same) and measured only when that estimate
+  makes it the best. After that the least recently measured kind runs as a check every
+  `interval` dispatches, an interval that doubles (up to `max_interval`) each time the
+  check leaves the choice as it was and falls back to `min_interval` when it changes it.
+  Measurements and checks are short dispatches (`probe` is set while one is due: the
+  engine runs a sixteenth of its usual steps), so a short job is not spent exploring.
 
 Only timing and acceptance counts decide; nothing here touches the tokens. Greedy output
 is identical to plain decoding whatever the schedule, and sampled rows verify by coupled
@@ -46,6 +49,7 @@ class KController:
         self.interval = min_interval
         self.next_check = 0
         self._check: Optional[int] = None  # the choice a running check is measured against
+        self.probe = False  # the kind chosen last is a measurement or a check
         self.schedule: list = []  # run-length [kind, dispatches]
 
     # ------------------------------------------------------------------ model
@@ -58,8 +62,15 @@ class KController:
         """Tokens one step of kind k commits on average."""
         return 1.0 + float(np.sum(self.rates()[:k]))
 
+    def estimated_cost(self, k: int) -> Optional[float]:
+        """Seconds per step of kind k: measured, else interpolated between 0 and K."""
+        if self.cost[k] is not None:
+            return self.cost[k]
+        lo, hi = self.cost[0], self.cost[self.k_max]
+        return None if lo is None or hi is None else lo + (hi - lo) * k / self.k_max
+
     def tokens_per_second(self, k: int) -> Optional[float]:
-        c = self.cost[k]
+        c = self.estimated_cost(k)
         return None if c is None else self.expected_tokens(k) / c
 
     def best(self) -> int:
@@ -69,14 +80,18 @@ class KController:
     # --------------------------------------------------------------- decisions
     def choose(self) -> int:
         """The kind of the next dispatch."""
-        for k in (self.k_max, 0, *range(1, self.k_max)):
+        self.probe = True
+        for k in (self.k_max, 0):
             if self.cost[k] is None:
                 return k
         best = self.best()
+        if self.cost[best] is None:
+            return best  # an interpolated winner: measure it
         if self.dispatches >= self.next_check:
             others = [k for k in range(self.k_max + 1) if k != best]
             self._check = best
             return min(others, key=lambda k: self.measured[k])
+        self.probe = False
         return best
 
     def update(self, kind: int, seconds: float, steps: int, accepted, verified) -> None:
@@ -102,8 +117,8 @@ class KController:
                 else self.min_interval
             self._check = None
             self.next_check = self.dispatches + self.interval
-        elif all(c is not None for c in self.cost) and self.next_check == 0:
-            self.next_check = self.dispatches + self.interval
+        elif self.next_check == 0 and self.cost[self.best()] is not None:
+            self.next_check = self.dispatches + self.interval  # measuring is done
 
     def summary(self) -> str:
         """The schedule as `k=3 x2, k=0 x40, ...` (run-length, in dispatch order)."""

@@ -154,13 +154,15 @@ class Engine:
             st, logits = self.progs.prefill_target(c)(p, st, slot, zero, jnp.int32(1))
             if self.spec.k:
                 st = self.progs.prefill_mtp(c)(p, st, slot, zero, zero)
-        st = self.progs.prefill_finish(p, st, slot, logits, jnp.int32(1))
+        self.state = self.progs.prefill_finish(p, st, slot, logits, jnp.int32(1))
+        # admit a dummy request onto null pages with every KV write dropped (limit 0), run
+        # one step of each kind and free the slot again, with the argument types the real
+        # calls use. The step bodies must execute here, not only compile: a program's
+        # first execution costs several later ones on CPU, which would also mislead the
+        # adaptive controller's first timings.
+        self._admit_slot(0, Request(None, [0]), [[] for _ in self.layout.groups], limit=0)
         for kind in self.static.kinds:
-            st = self.progs.steps(kind)(p, st, jnp.int32(0))
-        self.state = st
-        # admit a dummy request onto null pages (no prefill) and free the slot again, with
-        # the argument types the real calls use
-        self._admit_slot(0, Request(None, [0]), [[] for _ in self.layout.groups])
+            self.state = self.progs.steps(kind)(p, self.state, jnp.int32(1))
         self.state = jax.block_until_ready(self.progs.release(self.state, self._mask([0])))
         self._warm = True
         self.compile_seconds += time.perf_counter() - t0
@@ -215,8 +217,9 @@ class Engine:
                    self.config.max_model_len + self.spec.k)
 
     # --------------------------------------------------------------- admission
-    def _admit_slot(self, slot: int, req: Request, pages: list):
-        """The admit program for `req` in `slot` on its reserved pages; returns the state."""
+    def _admit_slot(self, slot: int, req: Request, pages: list, limit: Optional[int] = None):
+        """The admit program for `req` in `slot` on its reserved pages; returns the state.
+        `limit`: KV positions it may write (default: its reservation)."""
         s, eng = self.static, self.config
         prompt = np.asarray(req.prompt_ids, np.int32)
         buf = np.zeros((s.scratch_len,), np.int32)
@@ -230,7 +233,8 @@ class Engine:
         sp = req.sampling
         tokens = self._reserve_tokens(req)
         self.state = self.progs.admit(
-            self.state, jnp.int32(slot), buf, jnp.int32(min(tokens, eng.max_model_len + s.k)),
+            self.state, jnp.int32(slot), buf,
+            jnp.int32(min(tokens, eng.max_model_len + s.k) if limit is None else limit),
             jnp.int32(self._budget(req)), stops, jnp.float32(sp.temperature),
             jnp.int32(sp.top_k), jnp.float32(sp.top_p),
             np.asarray(split_seed(sp.seed), np.uint32), jnp.bool_(sp.relaxed),
@@ -405,10 +409,13 @@ class Engine:
                 yield from out
                 if not any(x is not None for x in self.slots):
                     continue
-                kind = self.control.choose() if self.control else self.static.k
+                n = self.config.steps_per_dispatch
+                kind = self.static.k
+                if self.control:
+                    kind = self.control.choose()
+                    n = max(1, n // 16) if self.control.probe else n
                 t0 = time.perf_counter()
-                self.state = self.progs.steps(kind)(self.model.params, self.state,
-                                                    jnp.int32(self.config.steps_per_dispatch))
+                self.state = self.progs.steps(kind)(self.model.params, self.state, jnp.int32(n))
                 done = self._collect()
                 seconds = time.perf_counter() - t0
                 if self.control:

@@ -379,7 +379,7 @@ def schedule_line(control) -> str:
     """Dispatches per step kind, and a verdict when speculation never paid."""
     counts = control.counts()
     line = ", ".join(f"K={k}: {n}" for k, n in counts.items()) + " dispatches"
-    best = control.best() if all(c is not None for c in control.cost) else None
+    best = control.best() if None not in (control.cost[0], control.cost[-1]) else None
     if best == 0:
         line += " (speculation off: it did not pay on this machine)"
     return line
