@@ -84,15 +84,13 @@ def main(argv=None):
         prompts = rng.integers(0, cfg.vocab_size, (b, args.prompt_len)).tolist()
         runs = [run_job(model, "none", 1, b, prompts, args.new_tokens, args.reps)]
         runs += [run_job(model, "chain", k, b, prompts, args.new_tokens, args.reps) for k in ks]
-        plain = runs[0]
+        plain, want = runs[0], runs[0]["tokens"]
         for r in runs:
             r["vs_none"] = r["tokens_per_s"] / plain["tokens_per_s"]
-            r["same_tokens_as_none"] = r.pop("tokens") == plain.get("tokens", None) \
-                if r is not plain else True
+            r["same_tokens_as_none"] = r.pop("tokens") == want
             log(f"B={b} {r['method']} K={r['k']}: {r['tokens_per_s']:.1f} tok/s "
                 f"({r['vs_none']:.2f}x none), compile {r['compile_s']:.1f}s"
                 + (f", dispatches per K {r['k_dispatches']}" if r["k_dispatches"] else ""))
-        plain.pop("tokens", None)
         auto = [r for r in runs if r["k"] == "auto"]
         if auto:
             best_other = max(r["tokens_per_s"] for r in runs if r["k"] != "auto" or

@@ -234,6 +234,19 @@ def run_mtp(model, mtp: MtpWeights, embed: nn.Module, head: nn.Module, prompt, h
 # ----------------------------------------------------------------------------
 
 
+def target_arrays(prompt, logits, greedy, greedy_logits, hidden, hidden_prenorm, seed) -> dict[str, np.ndarray]:
+    """The target's part of golden.npz (the MTP part differs per script)."""
+    return {
+        "prompt": prompt.numpy().astype(np.int64),
+        "logits": logits.numpy().astype(np.float32),
+        "greedy": greedy.numpy().astype(np.int64),
+        "greedy_logits": greedy_logits.numpy().astype(np.float32),
+        "hidden": hidden.numpy().astype(np.float32),
+        "hidden_prenorm": hidden_prenorm.numpy().astype(np.float32),
+        "seed": np.array(seed, dtype=np.int64),
+    }
+
+
 def top2_gap(logits: torch.Tensor) -> torch.Tensor:
     """Per-row gap between the largest and second-largest entry."""
     top = torch.topk(logits.float(), 2, dim=-1).values
@@ -353,18 +366,9 @@ def record_golden(model, mtp: MtpWeights, mtp_embed: nn.Module, mtp_head: nn.Mod
     if gap_mtp <= LOGIT_MARGIN:
         raise GoldenCheckFailed(f"mtp top-2 gap {gap_mtp:.2e}")
 
-    arrays = {
-        "prompt": prompt.numpy().astype(np.int64),
-        "logits": logits.numpy().astype(np.float32),
-        "greedy": greedy.numpy().astype(np.int64),
-        "greedy_logits": greedy_logits.numpy().astype(np.float32),
-        "hidden": hidden.numpy().astype(np.float32),
-        "hidden_prenorm": captured["prenorm"][0].numpy().astype(np.float32),
-        "mtp_logits": mtp_logits.numpy().astype(np.float32),
-        "mtp_y": mtp_y.numpy().astype(np.float32),
-        "mtp_logits_nozero": mtp_logits_nozero.numpy().astype(np.float32),
-        "seed": np.array(seed, dtype=np.int64),
-    }
+    arrays = target_arrays(prompt, logits, greedy, greedy_logits, hidden, captured["prenorm"][0], seed)
+    arrays.update(mtp_logits=mtp_logits.numpy().astype(np.float32), mtp_y=mtp_y.numpy().astype(np.float32),
+                  mtp_logits_nozero=mtp_logits_nozero.numpy().astype(np.float32))
     stats = dict(router_margin=monitor.min_margin, greedy_gap=gap_greedy, mtp_gap=gap_mtp)
     return arrays, stats
 

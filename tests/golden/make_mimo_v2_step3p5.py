@@ -142,6 +142,7 @@ from _golden_common import (  # noqa: E402  (shared with the GLM-4.5 / DeepSeek-
     new_model,
     parse_args_and_setup,
     randomize_,
+    target_arrays,
     top2_gap,
     write_cases,
     write_fixture_folder,
@@ -322,15 +323,7 @@ def window_effect(config, run, logits) -> float:
 
 
 def golden_arrays(prompt, logits, greedy, greedy_logits, hidden, hidden_prenorm, mtp_y, mtp_logits, seed):
-    arrays = {
-        "prompt": prompt.numpy().astype(np.int64),
-        "logits": logits.numpy().astype(np.float32),
-        "greedy": greedy.numpy().astype(np.int64),
-        "greedy_logits": greedy_logits.numpy().astype(np.float32),
-        "hidden": hidden.numpy().astype(np.float32),
-        "hidden_prenorm": hidden_prenorm.numpy().astype(np.float32),
-        "seed": np.array(seed, dtype=np.int64),
-    }
+    arrays = target_arrays(prompt, logits, greedy, greedy_logits, hidden, hidden_prenorm, seed)
     for k in range(len(mtp_y)):
         arrays[f"mtp_y_{k}"] = mtp_y[k].numpy().astype(np.float32)
         arrays[f"mtp_logits_{k}"] = mtp_logits[k].numpy().astype(np.float32)
