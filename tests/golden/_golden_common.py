@@ -373,6 +373,18 @@ def record_golden(model, mtp: MtpWeights, mtp_embed: nn.Module, mtp_head: nn.Mod
     return arrays, stats
 
 
+def check_save_pretrained(model, target: dict[str, torch.Tensor], workdir: str, name: str) -> str:
+    """Assert that transformers' save_pretrained writes exactly the hand-named `target` tensors
+    (float32, equal); returns the save_pretrained folder inside `workdir`."""
+    sp_dir = os.path.join(workdir, f"{name}_save_pretrained")
+    model.save_pretrained(sp_dir)
+    saved = load_safetensors(os.path.join(sp_dir, "model.safetensors"))
+    assert sorted(saved) == sorted(target), sorted(set(saved) ^ set(target))
+    for k in saved:
+        assert saved[k].dtype == torch.float32 and torch.equal(saved[k], target[k]), k
+    return sp_dir
+
+
 @torch.no_grad()
 def checked_hub_tensors(model, mtp: MtpWeights, workdir: str, name: str) -> tuple[dict[str, torch.Tensor], str]:
     """Every tensor of model.safetensors under its hub name (target layers + appended MTP layer).
@@ -381,12 +393,7 @@ def checked_hub_tensors(model, mtp: MtpWeights, workdir: str, name: str) -> tupl
     (tensors, the save_pretrained folder inside `workdir`).
     """
     target = fused_to_hub(model.state_dict(), "")
-    sp_dir = os.path.join(workdir, f"{name}_save_pretrained")
-    model.save_pretrained(sp_dir)
-    saved = load_safetensors(os.path.join(sp_dir, "model.safetensors"))
-    assert sorted(saved) == sorted(target), sorted(set(saved) ^ set(target))
-    for k in saved:
-        assert saved[k].dtype == torch.float32 and torch.equal(saved[k], target[k]), k
+    sp_dir = check_save_pretrained(model, target, workdir, name)
     mtp_tensors = mtp.hub_tensors(model.config.num_hidden_layers)
     assert mtp_tensors.keys().isdisjoint(target.keys())
     return {**target, **mtp_tensors}, sp_dir

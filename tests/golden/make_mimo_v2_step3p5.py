@@ -134,6 +134,7 @@ from _golden_common import (  # noqa: E402  (shared with the GLM-4.5 / DeepSeek-
     T_PROMPT,
     GoldenCheckFailed,
     RouterMonitor,
+    check_save_pretrained,
     draw_case,
     draw_prompt,
     fused_to_hub,
@@ -612,13 +613,8 @@ def mimo_hub_tensors(model, mtp_layers, workdir: str, name: str) -> dict[str, to
     target part must equal what save_pretrained writes."""
     target = {k.replace("self_attn.sinks", "self_attn.attention_sink_bias"): v
               for k, v in fused_to_hub(model.state_dict(), "").items()}
-    sp_dir = os.path.join(workdir, f"{name}_save_pretrained")
-    model.save_pretrained(sp_dir)
-    saved = load_safetensors(os.path.join(sp_dir, "model.safetensors"))
-    assert sorted(saved) == sorted(target), sorted(set(saved) ^ set(target))
-    for k in saved:
-        assert saved[k].dtype == torch.float32 and torch.equal(saved[k], target[k]), k
-    assert any(k.endswith("self_attn.attention_sink_bias") for k in saved)  # what save_pretrained calls the sinks
+    check_save_pretrained(model, target, workdir, name)
+    assert any(k.endswith("self_attn.attention_sink_bias") for k in target)  # what save_pretrained calls the sinks
     out = dict(target)
     for k, layer in enumerate(mtp_layers):
         p = f"model.mtp.layers.{k}."
