@@ -49,8 +49,7 @@ def run_job(model, method, k, b, prompts, new_tokens, reps):
     reqs = [Request(i, p, SamplingParams(max_tokens=new_tokens)) for i, p in enumerate(prompts)]
     best, out, schedule = None, None, None
     for _ in range(reps):
-        if eng.control is not None:  # every repetition adapts from scratch
-            eng.control = type(eng.control)(eng.spec.k)
+        eng.reset_control()  # every repetition adapts from scratch
         t0 = time.perf_counter()
         res = eng.generate(reqs)
         wall = time.perf_counter() - t0

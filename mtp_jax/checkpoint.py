@@ -755,12 +755,18 @@ def _place(e: Entry, arrs, want, shardings, nonfinite: list):
         def piece(idx):
             return finite(e.slice_join(arrs, _full_index(idx, want.shape), want.dtype))
         if sh is None:  # uncommitted, on the default device, like every jnp array
-            return jnp.asarray(piece(()))
+            return _to_device(piece(()))
         return jax.make_array_from_callback(want.shape, sh, piece)
     full = finite(e.join(arrs).astype(want.dtype, copy=False))
     if sh is None:
-        return jnp.asarray(full)
+        return _to_device(full)
     return jax.make_array_from_callback(want.shape, sh, lambda idx: full[idx])
+
+
+def _to_device(host):
+    """A device copy of a host array (never an alias of the memory-mapped file), made
+    without compiling anything: a broken checkpoint fails before any XLA compile."""
+    return jax.device_put(host, may_alias=False)
 
 
 def _full_index(index, shape) -> tuple:

@@ -134,6 +134,7 @@ class Engine:
         self.control = KController(k) if spec.adaptive else None
         # per-slot counters as of the last collection, for each dispatch's deltas
         self._seen = np.zeros((eng.max_batch, 2 * k + 1), np.int64)
+        self._generated = np.zeros((eng.max_batch,), np.int64)
 
     # ----------------------------------------------------------------- compile
     def buckets(self) -> list[int]:
@@ -167,6 +168,12 @@ class Engine:
         self._warm = True
         self.compile_seconds += time.perf_counter() - t0
         return self.compile_seconds
+
+    def reset_control(self) -> None:
+        """Forget what adaptive speculation learned on earlier jobs (acceptance, costs,
+        schedule). No-op for a fixed K."""
+        if self.control is not None:
+            self.control = KController(self.spec.k)
 
     def cache_sizes(self) -> dict:
         """Compiled-program cache sizes (for checking that nothing recompiles)."""
@@ -246,6 +253,7 @@ class Engine:
         s, eng, p = self.static, self.config, self.model.params
         st = self._admit_slot(slot, req, pages)
         self._seen[slot] = 0
+        self._generated[slot] = 0
         plen = len(req.prompt_ids)
         sl = jnp.int32(slot)
         start, logits = 0, None
@@ -339,6 +347,8 @@ class Engine:
         st = self.state
         finish, ngen, steps, acc, tried = self._fetch(
             (st.finish, st.num_generated, st.steps, st.accepted, st.drafted))
+        self._ready = time.perf_counter()  # the dispatch's steps are done
+        self._generated = np.array(ngen)
         now = np.concatenate([np.asarray(steps)[:, None], acc, tried], axis=1)
         live = np.asarray([x is not None for x in self.slots])
         self._delta = np.where(live[:, None], now - self._seen, 0)
@@ -412,21 +422,39 @@ class Engine:
                 n = self.config.steps_per_dispatch
                 kind = self.static.k
                 if self.control:
-                    kind = self.control.choose()
+                    kind = self.control.choose(None if self.queue else self._last_wave())
                     n = max(1, n // 16) if self.control.probe else n
+                    if jax.process_count() > 1:  # every process runs the same program
+                        kind, n = self._agree(kind, n)
                 t0 = time.perf_counter()
                 self.state = self.progs.steps(kind)(self.model.params, self.state, jnp.int32(n))
                 done = self._collect()
                 seconds = time.perf_counter() - t0
                 if self.control:
                     k, d = self.static.k, self._delta.sum(0)
-                    self.control.update(kind, seconds, int(self._delta[:, 0].max()),
+                    self.control.update(kind, self._ready - t0, int(self._delta[:, 0].max()),
                                         d[1: k + 1], d[k + 1:])
                 yield from done
                 self.stats["dispatch_seconds"] += seconds
                 self.stats["dispatches"] += 1
         finally:
             self.abort()
+
+    def _last_wave(self) -> tuple:
+        """(remaining tokens, accepted [n, K], verified [n, K]) of the running requests, as
+        of the last collection (the adaptive controller's view of the job's last wave)."""
+        live = [i for i, x in enumerate(self.slots) if x is not None]
+        k = self.static.k
+        seen = self._seen[live]
+        remaining = [self._budget(self.slots[i].req) - self._generated[i] for i in live]
+        return np.asarray(remaining), seen[:, 1: k + 1], seen[:, k + 1:]
+
+    @staticmethod
+    def _agree(kind: int, n: int) -> tuple:
+        """Process 0's (kind, steps) on every process: their timings differ."""
+        from jax.experimental import multihost_utils
+        out = multihost_utils.broadcast_one_to_all(np.asarray([kind, n], np.int32))
+        return int(out[0]), int(out[1])
 
     def generate(self, prompts, sampling: Optional[SamplingParams] = None) -> list[Result]:
         """Generate for prompts (token-id lists, strings, or Requests); results in order.

@@ -126,35 +126,72 @@ def method_stats(results, reference, wall_s: float, compile_s: float, spec: Spec
     return row
 
 
-def run_methods(model, requests, ids, methods, ks, eng_cfg: EngineConfig, greedy, log) -> dict:
+def run_methods(model, requests, ids, methods, ks, eng_cfg: EngineConfig, greedy, log,
+                repeat: int = 1) -> dict:
     """`none` first, then each method at each K of `ks` ("auto" or integers), on fresh
     warmed-up engines of one configuration. Rows are named by the method, or
-    `method/K` when several K run."""
+    `method/K` when several K run.
+
+    With `repeat` > 1 every engine stays alive and the job runs in `repeat` rounds, each
+    round every engine once in the same order (adaptive K learning from scratch each
+    time); each row reports its fastest run. Interleaving matters on a shared machine,
+    whose speed drifts over minutes: runs of different engines minutes apart compare the
+    machine's moods, not the methods. With `repeat` 1, one engine is alive at a time."""
     from .engine import Engine
 
-    out, reference = {}, None
     runs = [("none", "none", 1)] + [(m if len(ks) == 1 else f"{m}/{k}", m, k)
                                     for m in methods for k in ks]
-    for name, method, k in runs:
+    rows: dict = {}
+    best: dict = {}  # name -> (wall, results, controller)
+    walls: dict = {name: [] for name, _, _ in runs}
+
+    def build(name, method, k):
         t0 = time.perf_counter()
         engine = Engine(model, SpecConfig(method, num_speculative_tokens=k), eng_cfg)
         engine.warmup()
         compile_s = time.perf_counter() - t0
-        log(f"{name}: compiled in {compile_s:.1f} s, running {len(requests)} prompts")
+        log(f"{name}: compiled in {compile_s:.1f} s")
+        return engine, compile_s
+
+    def run(name, engine):
+        engine.reset_control()
         t0 = time.perf_counter()
         results = engine.generate(requests)
-        wall_s = time.perf_counter() - t0
-        row = method_stats(results, reference, wall_s, compile_s, engine.spec, greedy, ids,
-                           engine.control)
-        del engine  # its KV pages: one engine's worth of memory at a time
-        reference = reference or results  # none's
-        base = out["none"]["tokens_per_s"] if out else row["tokens_per_s"]
+        walls[name].append(time.perf_counter() - t0)
+        if walls[name][-1] == min(walls[name]):
+            best[name] = (walls[name][-1], results, engine.control)
+        log(f"{name}: run {len(walls[name])}/{repeat}: {len(requests)} prompts in "
+            f"{walls[name][-1]:.2f} s")
+
+    def finish(name, engine, compile_s):
+        wall_s, results, control = best[name]
+        row = method_stats(results, rows["none"]["_results"] if rows else None, wall_s,
+                           compile_s, engine.spec, greedy, ids, control)
+        if repeat > 1:
+            row["wall_s_runs"] = walls[name]
+        base = rows["none"]["tokens_per_s"] if rows else row["tokens_per_s"]
         row["speedup_vs_none"] = row["tokens_per_s"] / base if base > 0 else 0.0
-        out[name] = row
+        rows[name] = dict(row, _results=results)
         log(f"{name}: {row['generated_tokens']} tokens in {wall_s:.2f} s, "
             f"{row['tokens_per_s']:.1f} tokens/s, {row['mean_accepted_length']:.3f} per forward"
             + (f", dispatches per K {row['k_dispatches']}" if "k_dispatches" in row else ""))
-    return out
+
+    if repeat == 1:
+        for name, method, k in runs:
+            engine, compile_s = build(name, method, k)
+            run(name, engine)
+            finish(name, engine, compile_s)
+            del engine  # its KV pages: one engine's worth of memory at a time
+    else:
+        engines = {name: build(name, method, k) for name, method, k in runs}
+        for _ in range(repeat):
+            for name, (engine, _) in engines.items():
+                run(name, engine)
+        for name, (engine, compile_s) in engines.items():
+            finish(name, engine, compile_s)
+    for row in rows.values():
+        del row["_results"]
+    return rows
 
 
 def format_table(methods: dict) -> str:
@@ -325,6 +362,10 @@ def parse_args(argv):
     p.add_argument("--teacher-forced", action="store_true",
                    help="measure each MTP head's top-1 agreement with the target on the "
                         "prompts in one jitted pass per batch, without generating")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the job N times per method, in rounds over all methods (every "
+                        "engine stays in memory), and report each method's fastest run: "
+                        "timings on a shared machine drift")
     p.add_argument("--output", help="write the JSON report here")
     p.add_argument("--plot", help="write a PNG plot here")
     add_compile_cache_option(p)
@@ -337,6 +378,8 @@ def parse_args(argv):
         p.error("--limit must be >= 1")
     if args.max_batch < 1:
         p.error("--max-batch must be >= 1")
+    if args.repeat < 1:
+        p.error("--repeat must be >= 1")
     try:
         args.ks = tuple(dict.fromkeys(parse_num_speculative_tokens(x)
                                       for x in args.num_speculative_tokens.split(",")))
@@ -417,6 +460,7 @@ def evaluate(args, log) -> dict:
                          "num_speculative_tokens": list(args.ks),
                          "max_tokens": args.max_tokens, "max_batch": args.max_batch,
                          "max_model_len": max_len, "dataset": args.dataset,
+                         "repeat": args.repeat,
                          "num_prompts": len(prompts),
                          "skipped": num_skipped,
                          "temperature": args.temperature, "seed": args.seed},
@@ -434,7 +478,7 @@ def evaluate(args, log) -> dict:
                            prefill_chunk=min(256, max(16, 1 << (max_len - 1).bit_length())))
     greedy = all(sp.temperature == 0 for _, sp in prompts)
     report["methods"] = run_methods(model, requests, ids, args.methods, args.ks, eng_cfg,
-                                    greedy, log)
+                                    greedy, log, args.repeat)
     return report
 
 

@@ -35,7 +35,7 @@ class Scripted(KController):
         super().__init__(k_max)
         self._kinds = itertools.cycle(kinds)
 
-    def choose(self) -> int:
+    def choose(self, drain=None) -> int:
         return next(self._kinds)
 
 
@@ -65,6 +65,31 @@ def test_controller_measures_k_then_0_then_only_a_middle_kind_that_may_win():
     order, ctl = first_choices([1.0, 1.9, 2.8, 3.7], [0.6, 0.4, 0.3], 4)
     assert order == [3, 0, 0, 0] and ctl.cost[1] is None and ctl.cost[2] is None
     assert ctl.estimated_cost(2) == pytest.approx(1.0 + 2.7 * 2 / 3)
+
+
+def test_controller_cost_ignores_a_slow_outlier():
+    # a shared machine only adds time: one dispatch slowed 5x does not flip the choice
+    ctl = KController(1)
+    feed(ctl, cost=[1.0, 1.2], rate=[0.8], dispatches=6)
+    assert ctl.best() == 1
+    ctl.update(1, 6.0 * 10, 10, [32], [40])
+    assert ctl.cost[1] == pytest.approx(1.2) and ctl.best() == 1
+
+
+def test_controller_in_the_last_wave_minds_the_slowest_request():
+    # drafting pays on average (0.8 accepted at 1.5x the cost), but in the last wave the
+    # request whose drafts are never accepted sets the end of the job
+    ctl = KController(1)
+    feed(ctl, cost=[1.0, 1.5], rate=[0.8], dispatches=3)
+    assert ctl.best() == 1
+    both = ([50, 50], [[40], [0]], [[50], [50]])
+    ctl.choose(drain=both)
+    assert ctl.best() == 0
+    assert ctl.finish_time(1) == pytest.approx(1.5 * 50 / (1 + (0 + 4 * ctl.rates()[0]) / 54))
+    ctl.choose(drain=([50, 5], [[40], [0]], [[50], [50]]))  # the poor one is nearly done
+    assert ctl.best() == 1
+    ctl.choose(drain=([], [], []))  # nothing running: throughput again
+    assert ctl.drain is None and ctl.best() == 1
 
 
 def test_controller_picks_speculation_when_it_pays():
@@ -188,7 +213,8 @@ def test_seeded_sampling_equals_plain_decoding_whatever_the_schedule(model, prom
 
 def test_real_controller_on_the_job_stays_lossless(model, prompts):
     eng = engine(model, "chain")
-    eng.control = KController(3)
+    eng.reset_control()
+    assert type(eng.control) is KController and eng.control.dispatches == 0
     before = eng.stats["dispatches"]
     res = eng.generate([Request(i, p, SamplingParams(max_tokens=30))
                         for i, p in enumerate(prompts)])
@@ -197,3 +223,11 @@ def test_real_controller_on_the_job_stays_lossless(model, prompts):
                                                  max_len=MAX_LEN)[0]
     assert sum(n for _, n in eng.control.schedule) == eng.stats["dispatches"] - before
     assert None not in (eng.control.cost[0], eng.control.cost[3])  # both ends timed
+    assert eng.control.tried.sum() > 0
+
+
+def test_fixed_k_engine_has_no_controller(model):
+    eng = Engine(model, SpecConfig("chain", 2), ENGINE)
+    assert eng.control is None
+    eng.reset_control()
+    assert eng.control is None

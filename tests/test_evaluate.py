@@ -196,10 +196,10 @@ def test_teacher_forced_matches_direct_computation(files):
 
 def test_adaptive_and_fixed_k_side_by_side(files):
     """`--num-speculative-tokens auto,1`: one row per K, the adaptive row with its
-    dispatches per step kind; every row lossless."""
+    dispatches per step kind; every row lossless. `--repeat 2`: the fastest of two runs."""
     rc, out, err = call(["--model", files / "model", "--dataset", files / "data.jsonl",
                          "--max-tokens", MAX_TOKENS, "--max-batch", 2, "--methods", "chain",
-                         "--num-speculative-tokens", "auto,1", "--output",
+                         "--num-speculative-tokens", "auto,1", "--repeat", 2, "--output",
                          files / "auto.json"])
     assert rc == 0, err
     rep = json.loads((files / "auto.json").read_text())
@@ -214,6 +214,9 @@ def test_adaptive_and_fixed_k_side_by_side(files):
     assert sum(auto["k_dispatches"].values()) == sum(n for _, n in auto["k_schedule"])
     assert "k_dispatches" not in one
     assert "chain/auto" in out and "auto" in out
+    assert rep["config"]["repeat"] == 2
+    for row in rows.values():
+        assert len(row["wall_s_runs"]) == 2 and row["wall_s"] == min(row["wall_s_runs"])
 
 
 def test_method_stats_accounting():

@@ -272,7 +272,8 @@ def test_multihost_two_cpu_processes_check():
 def test_multihost_generate_on_two_processes(tmp_path):
     """The generate CLI on two processes (over a mesh spanning both when the CLI takes
     --mesh): one output file written by process 0 alone, a --resume file broadcast so
-    both processes skip the same ids, greedy tokens equal the plain reference decoder's."""
+    both processes skip the same ids, greedy tokens equal the plain reference decoder's.
+    Adaptive K: process 0's choice of step kind is broadcast, so both run the same one."""
     from mtp_jax import generate
     from mtp_jax.config import SamplingParams
     from mtp_jax.reference import generate_reference
@@ -285,7 +286,7 @@ def test_multihost_generate_on_two_processes(tmp_path):
     mesh = ["--mesh", "tp=2,dp=2"] if load_launcher().accepts_flag(generate, "--mesh") else []
     launch_local("--local-devices", "2", *mesh, "--", "generate", "--model",
                  str(tmp_path / "model"), "--input", str(inp), f"--output={out}", "--resume",
-                 "--method", "chain", "--num-speculative-tokens", "2", "--max-tokens", "6",
+                 "--method", "chain", "--num-speculative-tokens", "auto", "--max-tokens", "6",
                  "--max-batch", "2", "--max-model-len", "32")
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     assert recs[0] == {"id": "a", "error": "from an earlier run"}
