@@ -4,10 +4,11 @@
 runs batches with one of the draft strategies; `python -m mtp_jax.generate` is the CLI.
 """
 
-from .checkpoint import CheckpointError, Model, load, save_hf, save_orbax
+from .checkpoint import CheckpointError, Model, load, quantize_model, save_hf, save_orbax
 from .config import ConfigError, EngineConfig, ModelConfig, SamplingParams, SpecConfig
+from .quant import QuantizationError
 
-__all__ = ["load", "Model", "ModelConfig", "SpecConfig", "SamplingParams", "EngineConfig",
+__all__ = ["load", "quantize_model", "QuantizationError", "Model", "ModelConfig", "SpecConfig", "SamplingParams", "EngineConfig",
            "ConfigError", "CheckpointError", "save_hf", "save_orbax", "Engine", "Request",
            "Result"]
 

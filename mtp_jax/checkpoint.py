@@ -14,17 +14,22 @@ the experts of that device), so a model larger than host memory loads onto a mes
 Safetensors files are read and written here directly (header + raw bytes, bf16 and fp8
 through ml_dtypes), so truncated files are caught with a clear message.
 
-FP8 block-scaled checkpoints (DeepSeek-V3's `quantization_config`): every float8_e4m3fn
-weight must come with its `<name>_scale_inv` of the config's block shape; they are
-dequantized as they are read (`Fp8Blocks`), to the load dtype (bf16 on accelerators,
-float32 on CPU), next to the tensors stored unquantized. Export writes the dequantized
-weights without a quantization_config.
+Block-scaled checkpoints (`quantization_config`: DeepSeek-V3's FP8, or this project's
+fp8 / int8 exports): every quantized weight must come with its `<name>_scale_inv` of the
+config's block shape. On a GPU or TPU the weights stay quantized on the device (a
+`quant.QArray` per parameter, scales expanded per output channel, the contraction blocks
+kept), so a model published in FP8 takes FP8 bytes; on CPU, or with `dequantize=True`,
+they are dequantized as they are read (`BlockScaled`) to the load dtype. `load(path,
+quantize="int8" | "fp8" | "fp8-block")` quantizes an unquantized checkpoint parameter by
+parameter as it loads; `save_hf` / `save_orbax` write a quantized model as it is held, so
+quantizing is done once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import struct
@@ -36,6 +41,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from . import quant
 from .config import ConfigError, ModelConfig
 from .mtp import MTPModel
 
@@ -50,6 +56,7 @@ _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
               "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 _FLOAT_CODES = {"F32", "F16", "BF16", "F64"}
 _FP8_CODES = {"F8_E4M3", "F8_E5M2"}
+_QUANT_CODES = {"e4m3": "F8_E4M3", "int8": "I8"}  # quantization_config.fmt -> stored dtype
 SCALE_SUFFIX = "_scale_inv"  # DeepSeek's name for a weight's per-block dequantization scale
 _NP_TO_ST = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
 
@@ -143,41 +150,47 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata=None) 
             f.write(blob)
 
 
-# ------------------------------------------------------------------- FP8 block scales
-class Fp8Blocks:
-    """A float8_e4m3fn weight [out, in] with its per-block scales, read as float32.
+# -------------------------------------------------------------- block-scaled weights
+class BlockScaled:
+    """A quantized weight [out, in] (fp8 or int8) with its per-block scales, read as
+    float32 (dequantized).
 
-    weight_scale_inv [ceil(out / bo), ceil(in / bi)]: the real weight is fp8 * the scale of
-    its (bo, bi) block (edge blocks partial). Indexing with slices dequantizes only that
-    piece, so an expert-sharded parameter still reads only its own experts.
+    weight_scale_inv [ceil(out / bo), ceil(in / bi)]: the real weight is the stored value
+    * the scale of its (bo, bi) block (edge blocks partial). Indexing with slices
+    dequantizes only that piece, so an expert-sharded parameter still reads only its own
+    experts. `scales_only`: the per-element scales of the piece instead (for weights kept
+    quantized: the same joins that lay the weight out lay its scales out).
     """
 
     dtype = np.dtype(np.float32)
 
-    def __init__(self, weight, scale, block):
+    def __init__(self, weight, scale, block, scales_only: bool = False):
         self.weight, self.scale, self.block = weight, scale, block
         self.shape = weight.shape
+        self.scales_only = scales_only
 
     def __getitem__(self, index):
         index = tuple(index) + (slice(None),) * (2 - len(tuple(index)))
         rows, cols = (np.arange(n)[i] for n, i in zip(self.shape, index))
-        s = np.asarray(self.scale, np.float32)[np.ix_(rows // self.block[0],
-                                                      cols // self.block[1])]
-        return np.asarray(self.weight[index], np.float32) * s
+        s = np.asarray(self.scale, np.float32)[np.ix_(np.atleast_1d(rows) // self.block[0],
+                                                      np.atleast_1d(cols) // self.block[1])]
+        s = s.reshape(np.shape(rows) + np.shape(cols))
+        return s if self.scales_only else np.asarray(self.weight[index], np.float32) * s
 
     def __array__(self, dtype=None, copy=None):
         out = self[:, :]
         return out if dtype is None else out.astype(dtype)
 
 
-def check_fp8(cfg: ModelConfig, found: dict) -> tuple[dict, list[str]]:
-    """FP8 weights and their scales in a checkpoint's headers: ({weight name: scale name},
-    problems). found: {name: (file, base, (code, shape, offsets))}."""
-    fp8 = sorted(k for k, v in found.items() if v[2][0] in _FP8_CODES)
+def check_quantized(cfg: ModelConfig, found: dict) -> tuple[dict, list[str]]:
+    """Quantized weights and their scales in a checkpoint's headers: ({weight name: scale
+    name}, problems). found: {name: (file, base, (code, shape, offsets))}."""
+    q = cfg.quantization
+    code = _QUANT_CODES[q.fmt] if q is not None else None
+    fp8 = sorted(k for k, v in found.items() if v[2][0] in _FP8_CODES or v[2][0] == code)
     scales = sorted(k for k in found if k.endswith(SCALE_SUFFIX))
     if not fp8 and not scales:
         return {}, []
-    q = cfg.quantization
     if q is None:
         return {}, [f"FP8 tensors or scales but config.json has no quantization_config: "
                     f"{(fp8 + scales)[:8]}{' ...' if len(fp8) + len(scales) > 8 else ''}"]
@@ -186,7 +199,7 @@ def check_fp8(cfg: ModelConfig, found: dict) -> tuple[dict, list[str]]:
     for name in fp8:
         shape = found[name][2][1]
         scale = name + SCALE_SUFFIX
-        if found[name][2][0] != "F8_E4M3":
+        if found[name][2][0] != code:
             e5m2.append(name)
         if len(shape) != 2:
             not_2d.append(f"{name} {list(shape)}")
@@ -201,14 +214,31 @@ def check_fp8(cfg: ModelConfig, found: dict) -> tuple[dict, list[str]]:
                                  "blocks")
             pairs[name] = scale
     orphan = [s for s in scales if s[:-len(SCALE_SUFFIX)] not in fp8]
-    for what, items in (("FP8 tensors without scales", no_scale),
-                        ("scales of the wrong block shape", bad_shape),
-                        ("scales without an FP8 tensor", orphan),
-                        ("FP8 tensors that are not 2-D weights", not_2d),
-                        ("FP8 tensors not in e4m3 (quantization_config.fmt is e4m3)", e5m2)):
+    what = "FP8" if q.fmt == "e4m3" else "int8"
+    for msg, items in ((f"{what} tensors without scales", no_scale),
+                       ("scales of the wrong block shape", bad_shape),
+                       (f"scales without an {what} tensor", orphan),
+                       (f"{what} tensors that are not 2-D weights", not_2d),
+                       (f"quantized tensors not stored as {code} (quantization_config.fmt is "
+                        f"{q.fmt})", e5m2)):
         if items:
-            problems.append(f"{what}: {items}")
+            problems.append(f"{msg}: {items}")
     return pairs, problems
+
+
+def keep_quantized(q, dequantize: Optional[bool]) -> bool:
+    """Whether a quantized checkpoint stays quantized on the device: as asked, else on a
+    GPU (fp8: compute capability 8.9 or newer) or TPU, never on CPU (float32 math there is
+    fastest)."""
+    if dequantize is not None:
+        return not dequantize
+    if q is None or jax.default_backend() == "cpu":
+        return False
+    try:
+        quant.check_backend("fp8" if q.fmt == "e4m3" else "int8")
+    except quant.QuantizationError:
+        return False  # dequantized to the load dtype: the fallback
+    return True
 
 
 # --------------------------------------------------------------------------- key map
@@ -564,8 +594,8 @@ class Model:
 
     @property
     def dtype(self):
-        """The model's parameter / compute dtype (that of its embedding)."""
-        return self.params["target"]["embed"][...].dtype
+        """The model's compute dtype (that of its unquantized parameters, the norms')."""
+        return self.params["target"]["final_norm"]["weight"][...].dtype
 
 
 def abstract_model(cfg: ModelConfig, dtype):
@@ -583,7 +613,8 @@ def from_params(cfg: ModelConfig, flat: dict, dtype, **extra) -> Model:
         if tuple(path) not in flat:
             missing.append("/".join(map(str, path)))
             continue
-        var.set_value(jnp.asarray(flat[tuple(path)], var.get_value().dtype))
+        v = flat[tuple(path)]
+        var.set_value(v if quant.is_quantized(v) else jnp.asarray(v, var.get_value().dtype))
     if missing:
         raise CheckpointError(f"parameters not provided: {missing}")
     return Model(cfg, graphdef, state, **extra)
@@ -620,13 +651,25 @@ def _hf_files(path: str) -> tuple[list[str], Optional[dict]]:
 
 
 def load_hf(path: str, *, dtype=None, config: Optional[ModelConfig] = None,
-            shardings: Optional[Callable] = None) -> Model:
+            shardings: Optional[Callable] = None, quantize: Optional[str] = None,
+            dequantize: Optional[bool] = None) -> Model:
     """Strict import of an HF-layout folder (config.json + safetensors, single or sharded).
 
     shardings: `shardings(param path, shape) -> jax.sharding.Sharding`, or None for the
     first device. Parameters are streamed onto their devices one at a time (module doc).
+    quantize: None, or a `quant.MODES` mode: each matmul weight is quantized on its
+    devices as soon as it is placed. dequantize: for a block-scaled checkpoint, True
+    dequantizes to `dtype`, False keeps the weights quantized, None decides by device
+    (`keep_quantized`).
     """
+    mode = quant.check_mode(quantize)
     cfg = config or ModelConfig.from_hf(path)
+    if mode is not None and cfg.quantization is not None:
+        raise quant.QuantizationError(
+            f"{path} is already quantized ({cfg.quantization.fmt} in "
+            f"{list(cfg.quantization.block)} blocks): load it without quantize=, or quantize "
+            "its unquantized checkpoint")
+    quant.check_backend(mode)
     dtype = jnp.dtype(dtype or cfg.dtype)
     files, weight_map = _hf_files(path)
     found: dict[str, tuple] = {}
@@ -642,7 +685,7 @@ def load_hf(path: str, *, dtype=None, config: Optional[ModelConfig] = None,
     if config is None:
         cfg = _mtp_tensors_present(cfg, found)
         cfg = _count_mtp_layers(path, cfg, found)
-    fp8, problems = check_fp8(cfg, found)
+    fp8, problems = check_quantized(cfg, found)
     scale_of = {w: found.pop(sc) for w, sc in fp8.items()}
     entries = hf_key_map(cfg)
     expected = {nm: shp for e in entries for nm, shp in zip(e.names, e.shapes)}
@@ -674,16 +717,29 @@ def load_hf(path: str, *, dtype=None, config: Optional[ModelConfig] = None,
     if problems:
         raise CheckpointError(f"{path}: checkpoint does not match its config "
                               f"({cfg.layout}): " + " | ".join(problems))
-    _, state = nnx.split(abstract_model(cfg, dtype))
+    abstract = abstract_model(cfg, dtype)
+    axes = quant.quant_axes(abstract)
+    _, state = nnx.split(abstract)
     want = {tuple(p): v.get_value() for p, v in state.flat_state()}
+    keep = bool(scale_of) and keep_quantized(cfg.quantization, dequantize)
     flat, nonfinite = {}, []
     for e in entries:
-        arrs = [read_tensor(found[name][0], found[name][1:]) for name in e.names]
-        arrs = [Fp8Blocks(a, read_tensor(scale_of[nm][0], scale_of[nm][1:]),
-                          cfg.quantization.block) if nm in scale_of else a
-                for nm, a in zip(e.names, arrs)]
+        raw = [read_tensor(found[name][0], found[name][1:]) for name in e.names]
+        if keep and e.path in axes and all(nm in scale_of for nm in e.names):
+            scales = [BlockScaled(a, read_tensor(scale_of[nm][0], scale_of[nm][1:]),
+                                  cfg.quantization.block, scales_only=True)
+                      for nm, a in zip(e.names, raw)]
+            flat[e.path] = _place_quantized(e, raw, scales, axes[e.path],
+                                            cfg.quantization.block[1], want[e.path],
+                                            shardings, nonfinite)
+            continue
+        arrs = [BlockScaled(a, read_tensor(scale_of[nm][0], scale_of[nm][1:]),
+                            cfg.quantization.block) if nm in scale_of else a
+                for nm, a in zip(e.names, raw)]
         flat[e.path] = _place(e, arrs, want[e.path], shardings, nonfinite)
-        del arrs
+        if mode is not None and e.path in axes:
+            flat[e.path] = quant.quantize_array(flat[e.path], axes[e.path], mode)
+        del arrs, raw
     if nonfinite:
         raise CheckpointError(f"{path}: tensors holding NaN or Inf: {sorted(nonfinite)}")
     return from_params(cfg, flat, dtype, eos_token_ids=_eos_ids(path), path=path,
@@ -763,6 +819,38 @@ def _place(e: Entry, arrs, want, shardings, nonfinite: list):
     return jax.make_array_from_callback(want.shape, sh, lambda idx: full[idx])
 
 
+def _place_quantized(e: Entry, values, scales, contract, block_in: int, want, shardings,
+                     nonfinite: list):
+    """One parameter kept quantized: its stored values laid out by the entry's join, and
+    its per-element scales laid out the same way, then compressed to blocks along the
+    contraction axes (`quant.compress_scale`). An entry that reads experts piecewise
+    (slice_join) takes every `block_in`-th scale along its contraction axis directly, so
+    the per-element scales of a whole expert stack are never built."""
+    full = (slice(None),) * len(want.shape)
+    if e.slice_join is not None:
+        vals = e.slice_join(values, full, None)
+        c = contract[0]
+        step = tuple(slice(None, None, block_in) if a == c else slice(None)
+                     for a in range(len(want.shape)))
+        scale = quant.compress_scale(e.slice_join(scales, step, np.float32), contract)
+    else:
+        vals = e.join(values)
+        scale = quant.compress_scale(e.join(scales), contract)
+    if vals.shape != want.shape:
+        raise CheckpointError(f"{'/'.join(map(str, e.path))}: quantized values laid out as "
+                              f"{vals.shape}, expected {want.shape}")
+    if not (np.all(np.isfinite(scale)) and np.all(np.isfinite(vals.astype(np.float32)))):
+        nonfinite.extend(n for n in e.names if n not in nonfinite)
+    sh = shardings(e.path, want.shape) if shardings else None
+    if sh is None:
+        return quant.QArray(_to_device(vals), _to_device(scale))
+    # the scale is small: replicated on the value's devices until the engine places the
+    # parameter by the sharding table (sharding.param_value_sharding)
+    rep = jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec())
+    return quant.QArray(jax.make_array_from_callback(vals.shape, sh, lambda i: vals[i]),
+                        jax.device_put(scale, rep))
+
+
 def _to_device(host):
     """A device copy of a host array (never an alias of the memory-mapped file), made
     without compiling anything: a broken checkpoint fails before any XLA compile."""
@@ -783,20 +871,30 @@ def save_hf(model: Model, path: str, *, dtype=None, max_shard_bytes: Optional[in
     dt = np.dtype(ml_dtypes.bfloat16) if (dtype or cfg.dtype) == "bfloat16" else np.dtype(
         dtype or cfg.dtype)
     flat = to_flat(model.params)
-    tensors = {}
+    tensors, scales = {}, {}
     for e in hf_key_map(cfg):
         # The router bias is published in float32 whatever the weights' dtype.
         if not e.exported:
             continue
+        v = flat[e.path]
+        if quant.is_quantized(v):  # stored as held: values and per-element scales
+            vals = np.asarray(v.values)
+            full = quant.expand_scale(np.asarray(v.scale), vals.shape)
+            for name, arr, sc in zip(e.names, e.split(vals), e.split(full)):
+                tensors[name], scales[name] = np.asarray(arr), np.asarray(sc, np.float32)
+            continue
         to = np.float32 if e.path[-1] == "router_bias" else dt
         arrays = (e.export(flat) if e.export is not None
-                  else e.split(np.asarray(flat[e.path], np.float32)))
+                  else e.split(np.asarray(v, np.float32)))
         for name, arr in zip(e.names, arrays):
             tensors[name] = np.asarray(arr).astype(to)
+    quant_config = _block_scales(tensors, scales)
     hf = cfg.to_hf()
     hf["torch_dtype"] = str(dt) if dt != np.dtype(ml_dtypes.bfloat16) else "bfloat16"
     if model.eos_token_ids:
         hf["eos_token_id"] = list(model.eos_token_ids)
+    if quant_config:
+        hf["quantization_config"] = quant_config
     hf.update(extra_config or {})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
@@ -820,6 +918,23 @@ def save_hf(model: Model, path: str, *, dtype=None, max_shard_bytes: Optional[in
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
                    "weight_map": weight_map}, f, indent=2)
+
+
+def _block_scales(tensors: dict, scales: dict) -> Optional[dict]:
+    """Add `<name>_scale_inv` [out, in / B] beside every quantized tensor of `tensors`
+    (scales: their per-element [out, in] scales) and return the quantization_config: one
+    block [1, B] for the whole checkpoint, B the largest input block every tensor's
+    scales are constant over (per-channel tensors: any divisor of their input dim)."""
+    if not scales:
+        return None
+    blocks = [sc.shape[1] // quant.compress_scale(sc, (1,)).shape[1] for sc in scales.values()]
+    b = math.gcd(*blocks)
+    for name, sc in scales.items():
+        tensors[name + SCALE_SUFFIX] = np.ascontiguousarray(sc[:, ::b])
+    if all(tensors[n].dtype == np.int8 for n in scales):
+        return {"quant_method": "mtp_jax", "fmt": "int8", "weight_block_size": [1, b]}
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": [1, b]}
 
 
 def _eos_ids(path: str) -> tuple:
@@ -851,7 +966,15 @@ ORBAX_MARKER = "mtp_jax_orbax.json"
 
 
 def _str_keys(flat: dict) -> dict:
-    return {"/".join(map(str, k)): v for k, v in flat.items()}
+    """{"a/b/c": array}; a quantized parameter as "a/b/c.values" and "a/b/c.scale"."""
+    out = {}
+    for k, v in flat.items():
+        key = "/".join(map(str, k))
+        if quant.is_quantized(v):
+            out[key + ".values"], out[key + ".scale"] = v.values, v.scale
+        else:
+            out[key] = v
+    return out
 
 
 def save_orbax(model: Model, path: str) -> None:
@@ -868,15 +991,21 @@ def save_orbax(model: Model, path: str) -> None:
         hf["eos_token_id"] = list(model.eos_token_ids)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
+    quantized = {"/".join(map(str, k)): {"values": str(v.values.dtype),
+                                         "scale": list(v.scale.shape)}
+                 for k, v in to_flat(model.params).items() if quant.is_quantized(v)}
     with open(os.path.join(path, ORBAX_MARKER), "w") as f:
-        json.dump({"format": "mtp_jax orbax params", "dtype": str(model.dtype)}, f)
+        json.dump({"format": "mtp_jax orbax params", "dtype": str(model.dtype),
+                   "quantized": quantized}, f)
     if model.tokenizer is not None:
         model.tokenizer.save(os.path.join(path, "tokenizer.json"))
 
 
-def load_orbax(path: str, *, dtype=None, shardings: Optional[Callable] = None) -> Model:
+def load_orbax(path: str, *, dtype=None, shardings: Optional[Callable] = None,
+               quantize: Optional[str] = None) -> Model:
     """Restore params saved by `save_orbax` into `dtype` and, if given, `shardings(path,
-    shape) -> jax.sharding.Sharding` (each shard read directly onto its device)."""
+    shape) -> jax.sharding.Sharding` (each shard read directly onto its device); quantized
+    parameters come back quantized. quantize: quantize an unquantized save after restoring."""
     import orbax.checkpoint as ocp
 
     path = os.path.abspath(path)
@@ -885,12 +1014,18 @@ def load_orbax(path: str, *, dtype=None, shardings: Optional[Callable] = None) -
         with open(os.path.join(path, ORBAX_MARKER)) as f:
             marker = json.load(f)
         saved_dtype = jnp.dtype(marker.get("dtype", "float32"))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError, TypeError) as e:
+        quantized = {k: (jnp.dtype(v["values"]), tuple(v["scale"]))
+                     for k, v in marker.get("quantized", {}).items()}
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError, TypeError,
+            KeyError) as e:
         raise CheckpointError(f"{path}: unreadable {ORBAX_MARKER}: {type(e).__name__}: "
                               f"{e}") from None
     if not jnp.issubdtype(saved_dtype, jnp.floating):
         raise CheckpointError(f"{path}: {ORBAX_MARKER} names dtype {saved_dtype}, not a "
                               "float type")
+    if quantized and quant.check_mode(quantize) is not None:
+        raise quant.QuantizationError(f"{path} holds a quantized model: load it without "
+                                      "quantize=")
     dtype = jnp.dtype(dtype or saved_dtype)
     graphdef, state = nnx.split(abstract_model(cfg, dtype))
     target = {}
@@ -898,7 +1033,15 @@ def load_orbax(path: str, *, dtype=None, shardings: Optional[Callable] = None) -
         shape, pdt = var.get_value().shape, var.get_value().dtype
         sh = shardings(tuple(p), shape) if shardings else jax.sharding.SingleDeviceSharding(
             jax.devices()[0])
-        target["/".join(map(str, p))] = jax.ShapeDtypeStruct(shape, pdt, sharding=sh)
+        key = "/".join(map(str, p))
+        if key in quantized:
+            vdt, sshape = quantized[key]
+            rep = sh if not shardings else jax.sharding.NamedSharding(
+                sh.mesh, jax.sharding.PartitionSpec())
+            target[key + ".values"] = jax.ShapeDtypeStruct(shape, vdt, sharding=sh)
+            target[key + ".scale"] = jax.ShapeDtypeStruct(sshape, jnp.float32, sharding=rep)
+        else:
+            target[key] = jax.ShapeDtypeStruct(shape, pdt, sharding=sh)
     params_dir = os.path.join(path, "params")
     if not os.path.isdir(params_dir):
         raise CheckpointError(f"{path}: no orbax params folder")
@@ -909,10 +1052,15 @@ def load_orbax(path: str, *, dtype=None, shardings: Optional[Callable] = None) -
                               f"{str(e)[:500]}") from None
     flat = {}
     for p, var in state.flat_state():
-        arr, pdt = restored["/".join(map(str, p))], var.get_value().dtype
+        key, pdt = "/".join(map(str, p)), var.get_value().dtype
+        if key in quantized:
+            flat[tuple(p)] = quant.QArray(restored[key + ".values"], restored[key + ".scale"])
+            continue
+        arr = restored[key]
         flat[tuple(p)] = arr if arr.dtype == pdt else arr.astype(pdt)
-    return from_params(cfg, flat, dtype, eos_token_ids=_eos_ids(path), path=path,
-                       tokenizer=load_tokenizer(path))
+    model = from_params(cfg, flat, dtype, eos_token_ids=_eos_ids(path), path=path,
+                        tokenizer=load_tokenizer(path))
+    return quantize_model(model, quantize) if quantize else model
 
 
 def default_dtype(cfg_dtype) -> str:
@@ -921,24 +1069,46 @@ def default_dtype(cfg_dtype) -> str:
     return "float32" if jax.default_backend() == "cpu" else cfg_dtype
 
 
-def load(path: str, *, dtype=None, shardings=None) -> Model:
+def load(path: str, *, dtype=None, shardings=None, quantize: Optional[str] = None,
+         dequantize: Optional[bool] = None) -> Model:
     """Load an HF-layout folder or an orbax folder written by `save_orbax`.
 
-    dtype: the parameter / compute dtype; default `default_dtype(checkpoint dtype)`.
+    dtype: the compute dtype (and that of unquantized parameters); default
+    `default_dtype(checkpoint dtype)`. quantize: "int8", "fp8" or "fp8-block" quantizes
+    the matmul weights as they load (`quant.MODES`; an already quantized checkpoint is a
+    QuantizationError). dequantize: for a quantized checkpoint (DeepSeek's FP8, or a
+    quantized save), True / False / None = by device (`keep_quantized`).
     """
     if not os.path.isdir(path):
         raise CheckpointError(f"model path {path!r} is not a directory")
     if os.path.exists(os.path.join(path, ORBAX_MARKER)):
         if dtype is None and jax.default_backend() == "cpu":
             dtype = "float32"
-        return load_orbax(path, dtype=dtype, shardings=shardings)
+        return load_orbax(path, dtype=dtype, shardings=shardings, quantize=quantize)
     if not os.path.exists(os.path.join(path, "config.json")):
         raise CheckpointError(f"{path}: no config.json (not an HF or mtp_jax orbax folder)")
     if dtype is None:
         dtype = default_dtype(ModelConfig.from_hf(path).dtype)
-    return load_hf(path, dtype=dtype, shardings=shardings)
+    return load_hf(path, dtype=dtype, shardings=shardings, quantize=quantize,
+                   dequantize=dequantize)
+
+
+def quantize_model(model: Model, mode: str) -> Model:
+    """A copy of `model` with its matmul weights quantized (`quant.MODES`); QuantizationError
+    for a model that is already quantized."""
+    mode = quant.check_mode(mode)
+    if mode is None:
+        return model
+    held = quant.mode_of(model.params)
+    if held is not None:
+        raise quant.QuantizationError(f"the model is already quantized ({held}): quantize "
+                                      "its unquantized checkpoint instead")
+    quant.check_backend(mode)
+    return dataclasses.replace(model, params=quant.quantize_params(model.graphdef,
+                                                                   model.params, mode))
 
 
 __all__ = ["CheckpointError", "ConfigError", "Model", "load", "load_hf", "save_hf",
+           "quantize_model",
            "save_orbax", "load_orbax", "hf_key_map", "write_safetensors",
            "read_safetensors_header"]

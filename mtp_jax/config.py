@@ -11,7 +11,8 @@ Five weight layouts are understood:
 - ``mimo``        MiMo (Qwen2 target, QKV bias, ``model.mtp_layers.{i}.*``), hidden first.
 - ``deepseek_v3`` DeepSeek-V3 / R1 / V3.1 (``model.layers.{N + k}.*``): multi-head latent
                   attention (`MLAConfig`) or GQA blocks, dense or MoE FFNs; FP8
-                  block-scaled checkpoints (`quantization_config`) are dequantized at load.
+                  block-scaled checkpoints (`quantization_config`) load quantized or
+                  dequantized (checkpoint.py).
 - ``glm4_moe``    GLM-4.5 / 4.6 / 4.7 (``Glm4MoeForCausalLM``): DeepSeek naming, GQA with
                   QKV bias, optional q/k norm, partial RoPE, sigmoid-routed MoE after
                   `first_k_dense_replace` dense layers.
@@ -191,13 +192,16 @@ class MLAConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class Fp8BlockQuant:
-    """`quantization_config` of an FP8 block-scaled checkpoint (DeepSeek-V3 style): each
-    quantized weight [out, in] is float8_e4m3fn with `weight_scale_inv` [ceil(out / bo),
-    ceil(in / bi)]; the real weight is fp8 * scale of its (bo, bi) block."""
+class WeightQuant:
+    """`quantization_config` of a block-scaled checkpoint: each quantized weight [out, in]
+    is stored in `fmt` (float8_e4m3fn, or int8) with `weight_scale_inv` [ceil(out / bo),
+    ceil(in / bi)]; the real weight is the stored value * the scale of its (bo, bi) block.
+    DeepSeek-V3 publishes quant_method `fp8` with [128, 128] blocks; this project exports
+    fp8 the same way and int8 under quant_method `mtp_jax`, both with [1, bi] blocks (one
+    scale per output channel and bi input rows)."""
 
     block: tuple  # (bo, bi) = weight_block_size
-    fmt: str = "e4m3"
+    fmt: str = "e4m3"  # e4m3 | int8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,7 +251,7 @@ class ModelConfig:
     mtp_sliding_windows: tuple = ()  # per MTP module: None or window size
     moe: Optional[MoEConfig] = None  # routed experts (None: every FFN dense)
     mla: Optional[MLAConfig] = None  # latent attention (None: GQA)
-    quantization: Optional[Fp8BlockQuant] = None  # how the checkpoint's weights are stored
+    quantization: Optional[WeightQuant] = None  # how the checkpoint's weights are stored
     dtype: str = "bfloat16"  # checkpoint dtype (HF torch_dtype)
 
     def __post_init__(self):
@@ -1279,29 +1283,34 @@ def _parse_mla(raw: dict, get) -> Optional[MLAConfig]:
         raise ConfigError(f"config.json MLA fields: {e}") from None
 
 
-def _parse_quantization(qc) -> Optional[Fp8BlockQuant]:
-    """FP8 block-scaled `quantization_config` (DeepSeek-V3's); anything else is refused."""
+QUANT_METHODS = {"fp8": ("e4m3",), "mtp_jax": ("e4m3", "int8")}
+
+
+def _parse_quantization(qc) -> Optional[WeightQuant]:
+    """Block-scaled `quantization_config`: DeepSeek-V3's `fp8`, or this project's
+    `mtp_jax` (fp8 or int8); anything else is refused."""
     if qc in _TRIVIAL:
         return None
     if not isinstance(qc, dict):
         raise ConfigError(f"config field quantization_config={qc!r} must be an object")
     method = qc.get("quant_method")
-    if method != "fp8":
+    if method not in QUANT_METHODS:
         raise ConfigError(f"quantization_config.quant_method={method!r} is not supported "
-                          "(fp8 block-scaled checkpoints only)")
+                          f"(block-scaled {sorted(QUANT_METHODS)} checkpoints only)")
     fmt = qc.get("fmt", "e4m3")
-    if fmt != "e4m3":
-        raise ConfigError(f"quantization_config.fmt={fmt!r} is not supported (e4m3)")
+    if fmt not in QUANT_METHODS[method]:
+        raise ConfigError(f"quantization_config.fmt={fmt!r} is not supported for "
+                          f"{method} ({', '.join(QUANT_METHODS[method])})")
     block = qc.get("weight_block_size")
     if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(
             isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
         raise ConfigError(f"quantization_config.weight_block_size={block!r} must be two "
-                          "positive integers (per-tensor or per-channel fp8 is not supported)")
+                          "positive integers (per-tensor fp8 is not supported)")
     unknown = sorted(set(qc) - {"quant_method", "fmt", "weight_block_size",
                                 "activation_scheme", "modules_to_not_convert"})
     if unknown:
         raise ConfigError(f"quantization_config fields not understood: {unknown}")
-    return Fp8BlockQuant(block=tuple(block), fmt=fmt)
+    return WeightQuant(block=tuple(block), fmt=fmt)
 
 
 def _parse_rope_scaling(rs, max_pos) -> Optional[RopeScaling]:

@@ -39,7 +39,9 @@ from .checkpoint import CheckpointError, load
 from .compile_cache import add_compile_cache_option
 from .config import (ConfigError, EngineConfig, SamplingParams, SpecConfig,
                      parse_num_speculative_tokens)
-from .generate import Fatal, LineError, build_request, default_model_dir, read_lines
+from .generate import (Fatal, LineError, add_quantize_option, build_request,
+                       default_model_dir, read_lines)
+from .quant import mode_of
 
 DRAFT_METHODS = ("chain", "window", "per_step", "eagle")
 TF_TOKENS_PER_BATCH = 8192  # teacher-forced rows x length per pass: bounds the logits memory
@@ -80,8 +82,9 @@ def build_prompts(entries, tokenizer, defaults: SamplingParams, limit: Optional[
     return ids, prompts, skipped
 
 
-def load_model(path: Optional[str], dtype: Optional[str] = None):
-    """(folder, Model): `path`, else the shipped model (the generate CLI's lookup)."""
+def load_model(path: Optional[str], dtype: Optional[str] = None, quantize=None):
+    """(folder, Model): `path`, else the shipped model (the generate CLI's lookup),
+    quantized as asked."""
     if path:
         model_dir = Path(path)
     else:
@@ -90,7 +93,7 @@ def load_model(path: Optional[str], dtype: Optional[str] = None):
             raise Fatal(f"no --model given and no shipped model in {searched}; pass --model "
                         "PATH (an HF-layout folder or an orbax folder written by mtp_jax)")
     try:
-        return model_dir, load(str(model_dir), dtype=dtype)
+        return model_dir, load(str(model_dir), dtype=dtype, quantize=quantize)
     except (CheckpointError, ConfigError, OSError) as e:
         raise Fatal(f"cannot load model {model_dir}: {e}") from None
 
@@ -368,6 +371,7 @@ def parse_args(argv):
                         "timings on a shared machine drift")
     p.add_argument("--output", help="write the JSON report here")
     p.add_argument("--plot", help="write a PNG plot here")
+    add_quantize_option(p)
     add_compile_cache_option(p)
     args = p.parse_args(argv)
     args.methods = tuple(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip()))
@@ -431,7 +435,7 @@ def evaluate(args, log) -> dict:
 
     if args.dtype == "float32":  # full f32 matmuls too (no TF32 / bf16 passes on GPU)
         jax.config.update("jax_default_matmul_precision", "highest")
-    model_dir, model = load_model(args.model, args.dtype)
+    model_dir, model = load_model(args.model, args.dtype, args.quantize)
     cfg = model.config
     if cfg.num_mtp_modules < 1:
         raise Fatal(f"{model_dir} has no MTP modules: there is nothing to evaluate")
@@ -460,7 +464,7 @@ def evaluate(args, log) -> dict:
                          "num_speculative_tokens": list(args.ks),
                          "max_tokens": args.max_tokens, "max_batch": args.max_batch,
                          "max_model_len": max_len, "dataset": args.dataset,
-                         "repeat": args.repeat,
+                         "repeat": args.repeat, "weights": mode_of(model.params),
                          "num_prompts": len(prompts),
                          "skipped": num_skipped,
                          "temperature": args.temperature, "seed": args.seed},

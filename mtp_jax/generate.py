@@ -34,6 +34,7 @@ from .compile_cache import add_compile_cache_option
 from .config import (AUTO, METHODS, ConfigError, EngineConfig, SamplingParams, SpecConfig,
                      parse_num_speculative_tokens)
 from .engine import Engine, Request
+from .quant import MODES, mode_of
 from .sharding import make_mesh, param_sharding
 
 DEFAULT_MODEL_ENV = "MTP_JAX_DEFAULT_MODEL"  # overrides the shipped checkpoints/ folder
@@ -204,6 +205,7 @@ def parse_args(argv):
     p.add_argument("--mesh", metavar="tp=N,dp=M,ep=E",
                    help="shard over devices: tensor parallel N, data parallel M, experts "
                         "over E (MoE models; default: one device)")
+    add_quantize_option(p)
     add_compile_cache_option(p)
     args = p.parse_args(argv)
     if args.resume and args.output == "-":
@@ -260,11 +262,18 @@ class Fatal(Exception):
     """Nothing can run (exit status 1)."""
 
 
-def load_model(model_dir: Path, mesh=None):
-    """The model in `model_dir` (streamed onto `mesh` if given), or Fatal saying why not
-    (raised before anything compiles)."""
+def add_quantize_option(p) -> None:
+    p.add_argument("--quantize", choices=MODES,
+                   help="quantize the weights as they load: int8 or fp8 per output channel, "
+                        "fp8-block (one scale per 128 input rows); a checkpoint published "
+                        "quantized (FP8) stays so on GPU / TPU without this")
+
+
+def load_model(model_dir: Path, mesh=None, quantize=None):
+    """The model in `model_dir` (streamed onto `mesh` if given, quantized if asked), or
+    Fatal saying why not (raised before anything compiles)."""
     try:
-        return load(str(model_dir), shardings=param_sharding(mesh))
+        return load(str(model_dir), shardings=param_sharding(mesh), quantize=quantize)
     except (CheckpointError, ConfigError, OSError) as e:
         raise Fatal(f"cannot load model {model_dir}: {e}") from None
     except Exception as e:  # a corrupt file can surface as any type; never a traceback
@@ -285,7 +294,7 @@ def make_engine(args):
         mesh = make_mesh(args.mesh)
     except ValueError as e:
         raise Fatal(str(e)) from None
-    model = load_model(model_dir, mesh)
+    model = load_model(model_dir, mesh, args.quantize)
     cfg = model.config
     if args.stop and model.tokenizer is None:
         raise Fatal("--stop needs a tokenizer and the model has no tokenizer.json")
@@ -420,7 +429,9 @@ def main(argv=None) -> int:
         requests, ids, bad, skipped = read_requests(data, skip, engine, args.defaults, emit,
                                                     frozenset(reported))
         k = f"auto (0..{engine.spec.k})" if engine.spec.adaptive else engine.spec.k
-        print(f"{engine.spec.method} K={k} on {model_dir}: {len(requests)} "
+        held = mode_of(model.params)
+        weights = f" ({held} weights)" if held else ""
+        print(f"{engine.spec.method} K={k} on {model_dir}{weights}: {len(requests)} "
               f"requests, {bad} lines in error, {skipped} skipped (already in the output)",
               file=sys.stderr)
         summary = run(engine, requests, ids, emit, model.tokenizer is not None)

@@ -31,11 +31,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .model import RMSNorm, _param, apply_rope, rope_inv_freq
+from .quant import qeinsum
 from .specs import MLASpec
 
 
 class MLAttention(nnx.Module):
     """MLA of an `MLASpec`; the latent cache lives in the `attend` backend."""
+
+    # w_uk / w_uv (the absorbed per-head matrices) stay unquantized
+    QUANT_AXES = {"q": (0,), "q_a": (0,), "q_b": (0,), "kv_a": (0,), "o": (0, 1)}
 
     def __init__(self, spec: MLASpec, d: int, *, eps: float, offset: float, dtype,
                  rngs: nnx.Rngs):
@@ -61,11 +65,11 @@ class MLAttention(nnx.Module):
         m = self.spec.mla
         p, r = m.qk_nope_dim, m.kv_lora_rank
         if self.q is not None:
-            q = jnp.einsum("btd,dnh->btnh", x, self.q[...])
+            q = qeinsum("btd,dnh->btnh", x, self.q)
         else:
-            qa = self.q_a_norm(jnp.einsum("btd,dc->btc", x, self.q_a[...]))
-            q = jnp.einsum("btc,cnh->btnh", qa, self.q_b[...])
-        kv = jnp.einsum("btd,dr->btr", x, self.kv_a[...])
+            qa = self.q_a_norm(qeinsum("btd,dc->btc", x, self.q_a))
+            q = qeinsum("btc,cnh->btnh", qa, self.q_b)
+        kv = qeinsum("btd,dr->btr", x, self.kv_a)
         latent = self.kv_a_norm(kv[..., :r])
         inv_freq, scale = rope_inv_freq(self.spec.rope)
         q_pe = apply_rope(q[..., p:], positions, inv_freq, scale)
@@ -76,7 +80,7 @@ class MLAttention(nnx.Module):
         out = attend(layer, q_all, kv_all, None, self.spec.window,
                      sm_scale=self.spec.sm_scale, v_dim=r)          # [b, t, n, r]
         out = jnp.einsum("btnr,nrv->btnv", out, self.w_uv[...])
-        return jnp.einsum("btnv,nvd->btd", out, self.o[...])
+        return qeinsum("btnv,nvd->btd", out, self.o)
 
 
 __all__ = ["MLAttention"]

@@ -36,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from .config import ModelConfig, yarn_mscale
+from .quant import qeinsum, take_rows, value
 from .specs import AttentionSpec, LayerSpec, RopeSpec, rope_spec
 
 # attend(layer, q[b,t,n,h], k[b,t,k,h], v[b,t,k,u], window, *, sm_scale=None, v_dim=None,
@@ -129,6 +130,8 @@ def apply_rope(x, positions, inv_freq, scale):
 class Attention(nnx.Module):
     """GQA attention of an `AttentionSpec`; the cache lives in the `attend` backend."""
 
+    QUANT_AXES = {"qkv": (0,), "qk": (0,), "v": (0,), "o": (0, 1), "gate": (0,)}
+
     def __init__(self, spec: AttentionSpec, d: int, *, eps: float, offset: float, dtype,
                  rngs: nnx.Rngs):
         k, g, h, u = spec.num_kv_heads, spec.group_size, spec.head_dim, spec.v_dim
@@ -155,13 +158,13 @@ class Attention(nnx.Module):
         b, t, _ = x.shape
         n = self.k * self.g
         if self.qkv is not None:
-            qkv = jnp.einsum("btd,dkgh->btkgh", x, self.qkv[...])
+            qkv = qeinsum("btd,dkgh->btkgh", x, self.qkv)
             if self.qkv_bias is not None:
                 qkv = qkv + self.qkv_bias[...]
             v = qkv[:, :, :, self.g + 1]
         else:
-            qkv = jnp.einsum("btd,dkgh->btkgh", x, self.qk[...])
-            v = jnp.einsum("btd,dku->btku", x, self.v[...])
+            qkv = qeinsum("btd,dkgh->btkgh", x, self.qk)
+            v = qeinsum("btd,dku->btku", x, self.v)
         q = qkv[:, :, :, : self.g].reshape(b, t, n, self.h)
         k = qkv[:, :, :, self.g]
         if self.spec.value_scale != 1.0:
@@ -175,14 +178,16 @@ class Attention(nnx.Module):
         out = attend(layer, q, k, v, self.spec.window, sm_scale=self.spec.sm_scale,
                      sinks=sinks)
         if self.gate is not None:  # head-wise gate on each head's output, before o_proj
-            gate = jnp.einsum("btd,dkg->btkg", x, self.gate[...]).reshape(b, t, n)
+            gate = qeinsum("btd,dkg->btkg", x, self.gate).reshape(b, t, n)
             out = out * jax.nn.sigmoid(gate)[..., None].astype(out.dtype)
-        return jnp.einsum("btnu,nud->btd", out, self.o[...])
+        return qeinsum("btnu,nud->btd", out, self.o)
 
 
 class MLP(nnx.Module):
     """SwiGLU: down(silu(x W_gate) * x W_up); with `limit` L (Step-3.5's clamped SwiGLU)
     down(min(silu(x W_gate), L) * clip(x W_up, -L, L))."""
+
+    QUANT_AXES = {"gate_up": (0,), "down": (0,)}
 
     def __init__(self, d: int, f: int, *, dtype, rngs: nnx.Rngs, limit=None):
         self.gate_up = _param(rngs, (d, 2, f), dtype, d ** -0.5)
@@ -190,9 +195,8 @@ class MLP(nnx.Module):
         self.limit = limit
 
     def __call__(self, x):
-        gu = jnp.einsum("btd,dcf->btcf", x, self.gate_up[...])
-        return jnp.einsum("btf,fd->btd", swiglu(gu[:, :, 0], gu[:, :, 1], self.limit),
-                          self.down[...])
+        gu = qeinsum("btd,dcf->btcf", x, self.gate_up)
+        return qeinsum("btf,fd->btd", swiglu(gu[:, :, 0], gu[:, :, 1], self.limit), self.down)
 
 
 def swiglu(gate, up, limit=None):
@@ -237,6 +241,9 @@ class Block(nnx.Module):
 class Decoder(nnx.Module):
     """The target model. `__call__` returns (final-normed hidden, pre-norm hidden)."""
 
+    # the embedding is a matmul weight only when it is also the lm_head
+    QUANT_AXES = {"lm_head": (0,), "embed": lambda m: (1,) if m.lm_head is None else None}
+
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg = cfg
         d, v = cfg.hidden_size, cfg.vocab_size
@@ -247,7 +254,7 @@ class Decoder(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else _param(rngs, (d, v), dtype, d ** -0.5)
 
     def __call__(self, tokens, positions, attend: Attend):
-        x = self.embed[...][tokens]
+        x = take_rows(self.embed, tokens, self.final_norm.weight[...].dtype)
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer{i}"):
                 x = layer(x, positions, attend, i)
@@ -255,8 +262,8 @@ class Decoder(nnx.Module):
 
     def head(self, normed):
         """Logits in f32 for final-normed hidden states [..., d]."""
-        w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        return jnp.einsum("...d,dv->...v", normed, w, preferred_element_type=jnp.float32)
+        w = value(self.embed).T if self.lm_head is None else self.lm_head
+        return qeinsum("...d,dv->...v", normed, w, preferred_element_type=jnp.float32)
 
     def mtp_hidden(self, normed, pre_norm):
         """The hidden the architecture hands to MTP module 1."""

@@ -34,6 +34,7 @@ from pallas_kernels.grouped_matmul import (BACKEND_ENV_VAR, EXTRA_BACKENDS, defa
 
 from .config import MoEConfig
 from .model import MLP, _param, swiglu
+from .quant import is_quantized, spec_like, value
 from .sharding import P, active_mesh, axis_size, batch_axis, shard_kernel
 
 # Router parameters stay float32 whatever the model dtype: the checkpoints keep the bias
@@ -42,6 +43,8 @@ FLOAT32_PARAMS = ("router", "router_bias")
 
 
 class MoE(nnx.Module):
+    QUANT_AXES = {"experts_gate_up": (1,), "experts_down": (1,)}  # shared: an MLP
+
     def __init__(self, spec: MoEConfig, d: int, *, dtype, rngs: nnx.Rngs):
         e, f = spec.num_experts, spec.intermediate_size
         self.spec = spec
@@ -56,8 +59,8 @@ class MoE(nnx.Module):
     def __call__(self, x):
         bias = None if self.router_bias is None else self.router_bias[...]
         ids, weights = route(x, self.router[...], bias, self.spec)
-        out = routed_experts(x, ids, weights, self.experts_gate_up[...], self.experts_down[...],
-                             self.spec.swiglu_limit)
+        out = routed_experts(x, ids, weights, value(self.experts_gate_up),
+                             value(self.experts_down), self.spec.swiglu_limit)
         if self.shared is not None:
             out = out + self.shared(x).astype(jnp.float32)
         return out.astype(x.dtype)
@@ -91,8 +94,9 @@ def expert_swiglu(x, ids, weights, gate_up, down, first_expert=0, limit=None):
     """sum_j weights_j * SwiGLU_{ids_j}(x) over the experts held here, f32 [.., d].
 
     x [.., d]; ids, weights [.., top_k]; gate_up [e, d, 2, f], down [e, f, d] hold experts
-    first_expert .. first_expert + e - 1; rows routed elsewhere contribute 0 and read no
-    weights. `limit`: clamped SwiGLU (model.swiglu).
+    first_expert .. first_expert + e - 1 (arrays, or QArrays whose scales the grouped
+    matmul applies per expert); rows routed elsewhere contribute 0 and read no weights.
+    `limit`: clamped SwiGLU (model.swiglu).
     """
     lead, d = x.shape[:-1], x.shape[-1]
     e, _, _, f = gate_up.shape
@@ -108,13 +112,23 @@ def expert_swiglu(x, ids, weights, gate_up, down, first_expert=0, limit=None):
         backend = "reference"
     plan = None if backend == "reference" else plan_groups(
         group, e, default_tile_rows(rows.shape[0], e, backend))
-    h = grouped_matmul(rows, gate_up.reshape(e, d, 2 * f), group, backend=backend,
-                       plan=plan).reshape(-1, 2, f)
+    w1, s1 = _matrix(gate_up, (e, d, 2 * f))
+    h = grouped_matmul(rows, w1, group, backend=backend, plan=plan, **s1).reshape(-1, 2, f)
     act = swiglu(h[:, 0].astype(jnp.float32), h[:, 1].astype(jnp.float32), limit)
-    y = grouped_matmul(act.astype(x.dtype), down, group, backend=backend,
-                       plan=plan).astype(jnp.float32)
+    w2, s2 = _matrix(down, down.shape)
+    y = grouped_matmul(act.astype(x.dtype), w2, group, backend=backend, plan=plan,
+                       **s2).astype(jnp.float32)
     y = y.reshape(-1, top_k, d) * weights.reshape(-1, top_k, 1)
     return jnp.sum(y, axis=1).reshape(lead + (d,))
+
+
+def _matrix(w, shape):
+    """(weights [E, K, M], grouped_matmul's scale argument {} or {"w_scale": [E, S, M]})
+    of expert weights reshaped to `shape`."""
+    if not is_quantized(w):
+        return w.reshape(shape), {}
+    e, _, m = shape
+    return w.values.reshape(shape), {"w_scale": w.scale.reshape(e, -1, m)}
 
 
 def routed_experts(x, ids, weights, gate_up, down, limit=None):
@@ -135,8 +149,9 @@ def routed_experts(x, ids, weights, gate_up, down, limit=None):
                             sum_axes)
 
     rows = P(dp, *([None] * (x.ndim - 1)))
-    fn = shard_kernel(local, mesh, (rows, rows, rows, P(e_axis, None, None, f_axis),
-                                    P(e_axis, f_axis, None)), rows)
+    fn = shard_kernel(local, mesh, (rows, rows, rows,
+                                    spec_like(gate_up, P(e_axis, None, None, f_axis)),
+                                    spec_like(down, P(e_axis, f_axis, None))), rows)
     return fn(x, ids, weights, gate_up, down)
 
 

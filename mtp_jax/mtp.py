@@ -24,10 +24,13 @@ from flax import nnx
 
 from .config import ModelConfig
 from .model import Attend, Block, Decoder, RMSNorm, _param
+from .quant import qeinsum, take_rows
 
 
 class MTPInput(nnx.Module):
     """The input side of a module (norms, projection) and its output norm."""
+
+    QUANT_AXES = {"proj": (0,)}
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
         d = cfg.hidden_size
@@ -39,6 +42,8 @@ class MTPInput(nnx.Module):
 
 
 class MTPModule(nnx.Module):
+    QUANT_AXES = {"head": (0,)}  # its own embedding, if any, is only gathered from
+
     def __init__(self, cfg: ModelConfig, k: int, *, dtype, rngs: nnx.Rngs):
         d, v = cfg.hidden_size, cfg.vocab_size
         self.input = None if cfg.mtp_shared_input else MTPInput(cfg, dtype=dtype, rngs=rngs)
@@ -68,13 +73,13 @@ class MTPModel(nnx.Module):
         mod = self.mtp[k]
         inp = mod.input if mod.input is not None else self.mtp_shared
         table = mod.embed if mod.embed is not None else self.target.embed
-        e = table[...][tokens]
+        e = take_rows(table, tokens, inp.enorm.weight[...].dtype)
         if cfg.mtp_zero_embed_at_pos0:
             e = jnp.where((positions == 0)[..., None], jnp.zeros_like(e), e)
         e = inp.enorm(e)
         h = inp.hnorm(hidden.astype(e.dtype))
         x = jnp.concatenate([h, e] if cfg.mtp_concat_order == "hidden_first" else [e, h], -1)
-        x = jnp.einsum("btc,cd->btd", x, inp.proj[...])
+        x = qeinsum("btc,cd->btd", x, inp.proj)
         with jax.named_scope(f"mtp{k}"):
             y = mod.block(x, positions, attend, cfg.num_layers + k)
         out = inp.final_norm(y)
@@ -85,7 +90,7 @@ class MTPModel(nnx.Module):
         head = self.mtp[k].head
         if head is None:
             return self.target.head(normed)
-        return jnp.einsum("...d,dv->...v", normed, head[...], preferred_element_type=jnp.float32)
+        return qeinsum("...d,dv->...v", normed, head, preferred_element_type=jnp.float32)
 
 
 def init_model(cfg: ModelConfig, *, seed: int = 0, dtype=jnp.float32) -> MTPModel:

@@ -145,6 +145,15 @@ def param_spec(mesh: Mesh, path: tuple, shape) -> P:
     return _spec(mesh, axes, shape)
 
 
+def param_value_sharding(mesh: Mesh, path: tuple, v):
+    """NamedShardings for a parameter's value: an array, or a QArray (values and scale)."""
+    from .quant import spec_like
+
+    spec = spec_like(v, param_spec(mesh, tuple(path), v.shape), mesh)
+    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), spec,
+                                  is_leaf=lambda x: isinstance(x, P))
+
+
 def param_sharding(mesh: Optional[Mesh]):
     """`shardings(path, shape)` for checkpoint restore (None -> None)."""
     if mesh is None:
@@ -158,8 +167,7 @@ def shard_params(params, mesh: Optional[Mesh]):
         return params
     for path, var in params.flat_state():
         v = var.get_value()
-        var.set_value(jax.device_put(v, NamedSharding(mesh, param_spec(mesh, tuple(path),
-                                                                         v.shape))))
+        var.set_value(jax.device_put(v, param_value_sharding(mesh, tuple(path), v)))
     return params
 
 

@@ -38,6 +38,7 @@ from flax import nnx
 from .checkpoint import from_params, load, save_hf, to_flat
 from .config import ModelConfig, SamplingParams, SpecConfig
 from .mtp import forward_train, init_model
+from .quant import MODES
 
 EOT = "<|endoftext|>"
 SIZES = {  # model shapes; `small` is the shipped one
@@ -334,10 +335,12 @@ def train(args) -> dict:
 
 
 # ----------------------------------------------------------- evaluation of an export
-def heldout_metrics(model_dir, root, overlap, *, seq_len=512, batch=16, percent=2) -> dict:
+def heldout_metrics(model_dir, root, overlap, *, seq_len=512, batch=16, percent=2,
+                    quantize=None) -> dict:
     """Teacher-forced metrics (as `make_eval`) of an exported model over every held-out
-    window of the corpus (the same path-hash split as training)."""
-    model = load(model_dir)
+    window of the corpus (the same path-hash split as training), its weights quantized
+    if asked."""
+    model = load(model_dir, quantize=quantize)
     files = build_corpus(root, overlap)["files"]
     texts = [t for rel, t in files if is_heldout(rel, percent)]
     rows = windows(token_stream(model.tokenizer, texts, range(len(texts))), seq_len)
@@ -351,14 +354,14 @@ def heldout_metrics(model_dir, root, overlap, *, seq_len=512, batch=16, percent=
 
 # ------------------------------------------------------------------- acceptance table
 def acceptance(model_dir, problems, *, methods, k=3, max_tokens=128, max_batch=16,
-               max_model_len=1024, limit=None, dtype=None) -> dict:
+               max_model_len=1024, limit=None, dtype=None, quantize=None) -> dict:
     """Greedy decoding of the HumanEval prompts with each method: tokens per target forward
     (prefill counts as one), acceptance per depth, and per earlier method the number of
     prompts with identical output (all, in exact arithmetic; in bf16 a near-tie can
     round differently in a K+1-token verify than in a 1-token decode)."""
     from .engine import Engine, Request
 
-    model = load(model_dir, dtype=dtype)
+    model = load(model_dir, dtype=dtype, quantize=quantize)
     prompts = [model.tokenizer.encode(p["prompt"]).ids for p in problems[:limit]]
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     out, ids_of = {}, {}
@@ -401,6 +404,7 @@ def main_parser() -> argparse.ArgumentParser:
     export = argparse.ArgumentParser(add_help=False)
     export.add_argument("--model", required=True, help="exported model folder")
     export.add_argument("--out", help="JSON file for the results")
+    export.add_argument("--quantize", choices=MODES, help="quantize the weights as they load")
     t = sub.add_parser("train", parents=[data], help="corpus, tokenizer, training, export")
     t.add_argument("--out", required=True, help="export folder (HF MiMo layout)")
     t.add_argument("--size", choices=sorted(SIZES), default="small")
@@ -441,14 +445,15 @@ def main(argv=None):
     if args.cmd == "heldout":
         table = heldout_metrics(args.model, args.stdlib or sysconfig.get_paths()["stdlib"],
                                 overlap_lines(humaneval_problems(args.humaneval)),
-                                seq_len=args.seq_len, percent=args.heldout_percent)
+                                seq_len=args.seq_len, percent=args.heldout_percent,
+                                quantize=args.quantize)
         print(json.dumps(table))
     else:
         table = acceptance(args.model, humaneval_problems(args.humaneval),
                            methods=args.methods.split(","), k=args.k,
                            max_tokens=args.max_tokens, max_batch=args.max_batch,
                            max_model_len=args.max_model_len, limit=args.limit,
-                           dtype=args.dtype)
+                           dtype=args.dtype, quantize=args.quantize)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(table, f, indent=1)
