@@ -2,10 +2,16 @@
 device's copy bandwidth, all measured in the same run.
 
   PYTHONPATH=. python launch/bench_paged_attention.py [--sweep] [--reps 5] [--no-mimo]
+      [--no-fp8] [--tiny]
 
 Shapes: bf16, Hq=32, KVH=8, D=128, page 16, pages in a random permutation of the pool,
 every row at kv_len = ctx. Bandwidth counts the K+V bytes attended:
   bytes = B * ctx * KVH * D * 2 (K and V) * 2 (bf16)
+An fp8-KV table (skip it with --no-fp8) times the same shapes with the pages stored as
+float8_e4m3fn with per-kv-head scales (amax / 448, quantized as the cache writes them),
+q still bf16: bytes count 1 per value, and the fp8 / bf16 time ratio is 0.5 where both
+run at the same bandwidth. Its errors are against the XLA reference on the same fp8 pages
+and against our bf16 result (the quantization error).
 A second table (skip it with --no-mimo) times the MiMo-V2-Flash layer shapes: Hq=64,
 D=192 (keys), Dv=128 (values); sliding layers KVH=8, window 128, attention sinks; full
 layers KVH=4, no sinks. There the bytes are B * min(ctx, window) * KVH * (D + Dv) * 2:
@@ -15,6 +21,8 @@ q, so no call can be hoisted) and divides by N; best and median of --reps loops,
 warm-up that also reports compile time. The copy bandwidth (the denominator) is the best
 of torch `dst.copy_(src)` and a jitted XLA `x + 1` on 4 GiB, counting read + write bytes.
 With $OUT set, the table (markdown) and raw results (JSON) are written there.
+--tiny is a CPU smoke run: small shapes, the GPU kernel in interpret mode, one call per
+loop, a 64 MiB copy; it checks that the script runs, its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -34,11 +42,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
+from pallas_kernels.kv_write import FP8_DTYPE, FP8_MAX, quantize_rows  # noqa: E402
 from pallas_kernels.paged_attention import (  # noqa: E402
     BlockConfig, default_block_config, paged_attention, paged_attention_reference)
 
 HQ, KVH, D, PAGE = 32, 8, 128, 16
 SHAPES = [(1, 4096), (8, 4096), (64, 4096), (32, 16384)]
+TINY_SHAPES = [(2, 256)]
 COPY_BYTES = 4 << 30
 
 
@@ -112,6 +122,18 @@ def make_inputs(batch, ctx, q_len, key, layer=DEFAULT):
   return q, k, v, tables.astype(jnp.int32), kv_lens
 
 
+def quantize_kv(k, v):
+  """fp8 pages of k and v as the cache writes them: per-kv-head scales amax / 448 and
+  clip(x / scale) in float8_e4m3fn. Returns (k8, v8, k_scale [KVH], v_scale [KVH])."""
+  out = []
+  for x in (k, v):
+    scale = jnp.abs(x).max(axis=(1, 2, 3)).astype(jnp.float32) / FP8_MAX
+    rows = quantize_rows(x.reshape(x.shape[0], -1, x.shape[3]), scale, FP8_DTYPE)
+    out += [rows.reshape(x.shape), scale]
+  k8, k_scale, v8, v_scale = out
+  return k8, v8, k_scale, v_scale
+
+
 def layer_kwargs(layer, key=None):
   """paged_attention keywords of a layer: its window and (random, f32) sinks."""
   sinks = None
@@ -162,8 +184,8 @@ def time_per_call(fn, args, n, reps):
 
 
 def ours(cfg=None, **kw):
-  return lambda q, k, v, t, l: paged_attention(q, k, v, t, l, backend="gpu", block_config=cfg,
-                                               **kw)
+  return lambda q, k, v, t, l, **more: paged_attention(q, k, v, t, l, backend="gpu",
+                                                       block_config=cfg, **kw, **more)
 
 
 def reference(q, k, v, t, l, **kw):
@@ -172,6 +194,11 @@ def reference(q, k, v, t, l, **kw):
 
 def reference_fn(**kw):
   return lambda q, k, v, t, l: reference(q, k, v, t, l, **kw)
+
+
+def scaled(fn):
+  """fn(q, k, v, t, l, **kw) as fn(q, k8, v8, t, l, k_scale, v_scale): fp8 pages."""
+  return lambda q, k, v, t, l, ks, vs: fn(q, k, v, t, l, k_scale=ks, v_scale=vs)
 
 
 def sweep(results, reps, key):
@@ -208,10 +235,11 @@ def sweep(results, reps, key):
       run(batch, ctx, 1, dataclasses.replace(best, num_splits=s))
 
 
-def kv_bytes(batch, ctx, layer=DEFAULT):
-  """K+V bytes attended (bf16): the window's positions only, for a sliding layer."""
+def kv_bytes(batch, ctx, layer=DEFAULT, itemsize=2):
+  """K+V bytes attended (bf16: 2 a value, fp8: 1): the window's positions only, for a
+  sliding layer."""
   positions = ctx if layer.window is None else min(ctx, layer.window)
-  return batch * positions * layer.kvh * (layer.d + layer.dv) * 2
+  return batch * positions * layer.kvh * (layer.d + layer.dv) * itemsize
 
 
 def iters(batch, ctx, layer=DEFAULT):
@@ -233,6 +261,33 @@ def time_into(entry, methods, args, n, reps, nbytes, tag):
 def bw_cell(r, denom):
   """'TB/s (% of copy bandwidth)' of one timing, or n/a."""
   return f"{r['tbs']:.2f} ({100 * r['tbs'] * 1e12 / denom:.0f} %)" if r else "n/a"
+
+
+def max_err(a, b):
+  return float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max())
+
+
+def fp8_entry(args, n, reps, batch, ctx, interpret):
+  """Time ours and the XLA reference over fp8 copies of args' pages: a results dict with
+  the fp8 byte count, errors (vs the reference on the fp8 pages, vs our bf16 result) and
+  one timing per method (None where it fails, logged)."""
+  q, k, v, tables, kv_lens = args
+  k8, v8, k_scale, v_scale = quantize_kv(k, v)
+  fp8_args = (q, k8, v8, tables, kv_lens, k_scale, v_scale)
+  nbytes = kv_bytes(batch, ctx, itemsize=1)
+  ours_fp8, reference_fp8 = scaled(ours(interpret=interpret)), scaled(reference)
+  entry = dict(bytes=nbytes)
+  tag = f"fp8 B={batch} ctx={ctx} Q={q.shape[1]}"
+  try:
+    got = ours_fp8(*fp8_args)
+    entry["max_abs_err"] = max_err(got, reference_fp8(*fp8_args))
+    entry["max_abs_err_vs_bf16"] = max_err(got, ours(interpret=interpret)(*args))
+  except Exception as e:
+    log(f"{tag} check failed: {type(e).__name__}: {str(e)[:500]}")
+    entry["max_abs_err"] = entry["max_abs_err_vs_bf16"] = float("nan")
+  time_into(entry, (("ours", ours_fp8), ("xla_reference", reference_fp8)), fp8_args, n,
+            reps, nbytes, tag)
+  return entry
 
 
 def layer_table(layer, shapes, reps, key, denom):
@@ -271,6 +326,17 @@ def layer_table(layer, shapes, reps, key, denom):
   return rows, raw
 
 
+def fp8_row(entry, denom):
+  """One markdown row of the fp8-KV table from a main-table entry holding entry['fp8']."""
+  f, b = entry["fp8"].get("ours"), entry.get("ours")
+  us = f"{f['best_s'] * 1e6:.1f} / {f['median_s'] * 1e6:.1f}" if f else "n/a"
+  bf16_us = f"{b['best_s'] * 1e6:.1f}" if b else "n/a"
+  ratio = f"{f['best_s'] / b['best_s']:.2f}" if f and b else "n/a"
+  return (f"| {entry['batch']} | {entry['ctx']} | {entry['q_len']} | {bw_cell(f, denom)} | "
+          f"{us} | {bf16_us} | {ratio} | {bw_cell(entry['fp8'].get('xla_reference'), denom)} "
+          f"| {entry['fp8']['max_abs_err']:.1e} | {entry['fp8']['max_abs_err_vs_bf16']:.1e} |")
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--reps", type=int, default=5)
@@ -279,7 +345,12 @@ def main():
                   help="skip the main table (and the MiMo-V2-Flash table)")
   ap.add_argument("--no-mimo", action="store_true",
                   help="skip the MiMo-V2-Flash table (D 192, Dv 128, sinks, window 128)")
+  ap.add_argument("--no-fp8", action="store_true", help="skip the fp8-KV table")
+  ap.add_argument("--tiny", action="store_true",
+                  help="CPU smoke run: small shapes, interpret mode (figures mean nothing)")
   opts = ap.parse_args()
+  if opts.tiny:
+    opts.reps, opts.no_mimo, opts.sweep = 1, True, False
   out_dir = os.environ.get("OUT")
   dev = jax.devices()[0]
   import jaxlib
@@ -287,34 +358,37 @@ def main():
             f"python {sys.version.split()[0]}")
   log(header)
 
-  copy = copy_bandwidth()
+  copy = copy_bandwidth(nbytes=64 << 20 if opts.tiny else COPY_BYTES)
   denom_method = max(copy, key=copy.get)
   denom = copy[denom_method]
   for m, bw in copy.items():
     log(f"copy bandwidth, {m}: {bw / 1e12:.2f} TB/s")
 
   key = jax.random.key(0)
+  bundled = None
   try:
-    bundled = bundled_fn()
+    bundled = None if opts.tiny else bundled_fn()
   except Exception as e:
     log(f"bundled kernel unavailable: {e}")
-    bundled = None
-  rows, raw = [], []
-  for batch, ctx in [] if opts.no_table else SHAPES:
+  ours_bf16 = ours(interpret=opts.tiny)
+  rows, fp8_rows, raw = [], [], []
+  for batch, ctx in [] if opts.no_table else TINY_SHAPES if opts.tiny else SHAPES:
     per_q = {}
     for q_len in (1, 4):
       args = make_inputs(batch, ctx, q_len, key)
-      n = iters(batch, ctx)
+      n = 1 if opts.tiny else iters(batch, ctx)
       cfg = default_block_config(batch, q_len, HQ, KVH, PAGE, ctx // PAGE, "gpu")
-      err = float(jnp.abs(ours()(*args).astype(jnp.float32)
-                          - reference(*args).astype(jnp.float32)).max())
+      err = max_err(ours_bf16(*args), reference(*args))
       entry = dict(batch=batch, ctx=ctx, q_len=q_len, config=str(cfg), max_abs_err=err,
                    bytes=kv_bytes(batch, ctx), iters=n)
-      methods = [("ours", ours()), ("xla_reference", reference)]
+      methods = [("ours", ours_bf16), ("xla_reference", reference)]
       if q_len == 1 and bundled is not None:
         methods.append(("bundled", bundled))
       time_into(entry, methods, args, n, opts.reps, kv_bytes(batch, ctx),
                 f"B={batch} ctx={ctx} Q={q_len}")
+      if not opts.no_fp8:
+        entry["fp8"] = fp8_entry(args, n, opts.reps, batch, ctx, opts.tiny)
+        fp8_rows.append(fp8_row(entry, denom))
       per_q[q_len] = entry
       raw.append(entry)
       log(json.dumps(entry))
@@ -340,6 +414,19 @@ def main():
       "|---|---|---|---|---|---|---|---|---|",
       *rows,
   ])
+  if fp8_rows:
+    table += "\n".join([
+        "", "",
+        "fp8 KV: the same shapes with K and V pages in float8_e4m3fn (per-kv-head scales), "
+        "q bf16. Bytes: 1 per K/V value. Errors: fp8 ours vs the XLA reference on the "
+        "same fp8 pages, and vs ours on the bf16 pages (quantization).",
+        "",
+        "| B | ctx | Q | fp8 ours TB/s (% copy) | fp8 ours us best / median "
+        "| bf16 ours us best | fp8 / bf16 time | fp8 XLA reference TB/s (% copy) "
+        "| max abs err vs fp8 ref | max abs err vs bf16 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        *fp8_rows,
+    ])
   if not (opts.no_table or opts.no_mimo):
     mimo_rows = []
     for layer in MIMO_LAYERS:

@@ -5,6 +5,16 @@ A slot is page_id * page_size + offset. Tokens whose slot is >= num_pages * page
 than -1 because jnp indexing wraps negative indices: slot -1 would overwrite the last
 row of the last page. The write is a plain XLA scatter with mode='drop'; the caller jits
 it with the pages donated so XLA updates the cache in place.
+
+Quantized (fp8) pages: with per-kv-head scales [KVH], kv head h's row x is stored as
+clip(x / scale[h], -448, 448) in float8_e4m3fn, the inverse of what paged attention reads
+(page * scale; pallas_kernels.paged_attention). Values past the fp8 range saturate to
++-448 instead of becoming NaN (e4m3fn has no infinity: a plain cast of anything from 464
+up gives NaN). A non-finite input is stored as NaN (+-inf too, for want of an fp8
+infinity), as a plain cast would store it, so it stays visibly non-finite; the cache
+zeroes non-finite values before writing. A scale must be positive and finite. Scales are
+applied to pages of any dtype (x / scale, cast), as attention applies them whatever the
+dtype; without scales nothing changes.
 """
 
 from __future__ import annotations
@@ -13,13 +23,33 @@ import jax.numpy as jnp
 
 DROP_SLOT = 2**31 - 1  # slot meaning "do not write"
 
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
-def write_rows(pages, new, slots):
+
+def quantize_rows(rows, scale, dtype):
+  """[KVH, T, D] rows as stored in pages of `dtype`: rows / scale[h] (scale None: 1.0),
+  saturated to +-FP8_MAX for fp8 with non-finite inputs kept NaN; other dtypes are a cast."""
+  if scale is None and dtype != FP8_DTYPE:
+    return rows.astype(dtype)
+  x = rows.astype(jnp.float32)
+  if scale is not None:
+    x = x / scale.astype(jnp.float32)[:, None, None]
+  if dtype == FP8_DTYPE:
+    # Saturate on the input's finiteness, not x's: a finite row over a tiny scale may
+    # overflow x to inf, and that is still a large value, not a non-finite one.
+    x = jnp.where(jnp.isfinite(rows), jnp.clip(x, -FP8_MAX, FP8_MAX), jnp.nan)
+  return x.astype(dtype)
+
+
+def write_rows(pages, new, slots, scale=None):
   """Scatter new rows into their slots of one page array; returns the updated pages.
 
-  pages: [KVH, num_pages, page_size, D]
+  pages: [KVH, num_pages, page_size, D], any float dtype or float8_e4m3fn
   new:   [T, KVH, D] or [B, T, KVH, D]
   slots: [T] or [B, T] int32; slot >= num_pages * page_size is dropped.
+  scale: None or [KVH] float, the per-kv-head scale the pages are read with: stored is
+         new / scale[h], for fp8 pages saturated to +-448 (module docstring).
   Slots that repeat within one call write an unspecified one of their rows.
   """
   kv_heads, num_pages, page_size, head_dim = pages.shape
@@ -29,10 +59,16 @@ def write_rows(pages, new, slots):
     raise ValueError(f"new rows are {new.shape[-2:]}, pages want ({kv_heads}, {head_dim}).")
   if not jnp.issubdtype(slots.dtype, jnp.integer):
     raise ValueError(f"slots must be integer, got {slots.dtype}.")
+  if scale is not None and (getattr(scale, "shape", None) != (kv_heads,)
+                            or not jnp.issubdtype(scale.dtype, jnp.floating)):
+    raise ValueError(f"scale must be a float [KVH={kv_heads}] array (one per kv head) or "
+                     f"None, got {getattr(scale, 'dtype', type(scale).__name__)} "
+                     f"{getattr(scale, 'shape', '')}.")
 
   slots = slots.reshape(-1).astype(jnp.int32)
   # [T, KVH, D] -> [KVH, T, D] to match the head-major page layout.
-  rows = new.reshape(-1, kv_heads, head_dim).swapaxes(0, 1).astype(pages.dtype)
+  rows = quantize_rows(new.reshape(-1, kv_heads, head_dim).swapaxes(0, 1), scale,
+                       pages.dtype)
   # Out-of-range slots (DROP_SLOT) give out-of-range flat rows, which mode='drop' skips.
   # Negative slots are refused too rather than wrapped.
   slots = jnp.where(slots < 0, DROP_SLOT, slots)
@@ -40,13 +76,15 @@ def write_rows(pages, new, slots):
   return flat.at[:, slots].set(rows, mode="drop").reshape(pages.shape)
 
 
-def write_kv(k_pages, v_pages, k_new, v_new, slots):
-  """`write_rows` for a K and a V page array alike; returns (k_pages, v_pages)."""
+def write_kv(k_pages, v_pages, k_new, v_new, slots, k_scale=None, v_scale=None):
+  """`write_rows` for a K and a V page array alike (k_scale / v_scale: None or [KVH], as
+  paged attention reads them); returns (k_pages, v_pages)."""
   if v_pages.shape != k_pages.shape:
     raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} differ.")
   if k_new.shape != v_new.shape:
     raise ValueError(f"k_new {k_new.shape} and v_new {v_new.shape} differ.")
-  return write_rows(k_pages, k_new, slots), write_rows(v_pages, v_new, slots)
+  return (write_rows(k_pages, k_new, slots, k_scale),
+          write_rows(v_pages, v_new, slots, v_scale))
 
 
 def slot_mapping(block_tables, positions, page_size, limit):

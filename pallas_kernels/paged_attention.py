@@ -9,6 +9,8 @@ head, k kv position, d key head dim, v value head dim):
   block_tables [B, max_pages_per_seq] int32  page ids into num_pages
   kv_lens      [B] int32                     KV length per row, counting the Q new tokens
   sinks        [Hq] float or None            per-query-head attention-sink logits
+  k_scale      [KVH] f32 or None             per-kv-head dequantization scales (fp8 KV,
+  v_scale      [KVH] f32 or None             below); None means 1.0
   out          [B, Q, Hq, Dv]
 The page layout is fixed: each (kv head, page) is one contiguous page_size * D chunk, so
 a page is a single DMA / a single run of coalesced loads, and tensor parallelism shards
@@ -45,6 +47,21 @@ the QK matrix work and mask every load column-wise. The TPU kernel copies whole 
 and takes one dot over the full D: Mosaic lays a 192-wide minor dim out as two 128-lane
 tiles in VMEM and masks the padding of the contracting dim in its matmul.
 
+fp8 KV cache: k_pages and v_pages may both be float8_e4m3fn (1 byte a value: half the
+bytes decode reads) while q stays bfloat16, float16 or float32 (the compute dtype);
+otherwise all three dtypes match.
+The logical key of kv head h at a slot is k_pages[h, ...].astype(f32) * k_scale[h], its
+value v_pages[h, ...].astype(f32) * v_scale[h]. The scales mean the same whatever the page
+dtype (bf16 pages with scales are scaled too), so a cache is one meaning, not one per dtype;
+they are traced arrays, and a scale must be positive and finite. Nothing is dequantized in
+HBM: a loaded block is converted to q's dtype right away (exact: every e4m3 value is a
+bf16), k_scale[h] is folded into head h's logit scale (q . (s k) = s (q . k), applied
+before the soft cap, as part of the key) and v_scale[h] multiplies head h's normalised
+output (sum_k p_k s v_k = s sum_k p_k v_k). Split-K partials are normalised outputs that
+already carry v_scale and log-sum-exps of the scaled logits; `combine_splits` is linear in
+the partials, so the combine is unchanged. `kv_write.write_rows` stores the quantized
+rows: clip(new / scale, -448, 448) in float8_e4m3fn.
+
 Kernels pack the G query heads of one kv head times the Q rows into the rows of one tile
 (row r = i * G + g), so a kv page is read once for all of them: verify with Q = K + 1
 costs about what decode does. Backends: `paged_attention_gpu` (Pallas Triton, split-K
@@ -63,6 +80,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import BACKENDS, resolve_backend  # noqa: F401  (BACKENDS re-exported)
+from pallas_kernels.kv_write import FP8_DTYPE  # the quantized page dtype
 
 BACKEND_ENV_VAR = "MTP_JAX_ATTENTION_BACKEND"
 
@@ -163,7 +181,7 @@ def _resolve_backend(backend):
 
 
 def _check_inputs(q, k_pages, v_pages, block_tables, kv_lens, sliding_window, soft_cap,
-                  sinks=None):
+                  sinks=None, k_scale=None, v_scale=None):
   if q.ndim != 4:
     raise ValueError(f"q must be [B, Q, Hq, D], got shape {q.shape}.")
   batch, _, num_q_heads, head_dim = q.shape
@@ -176,9 +194,13 @@ def _check_inputs(q, k_pages, v_pages, block_tables, kv_lens, sliding_window, so
     raise ValueError(f"q head dim {head_dim} != key head dim {kv_dim}.")
   if num_q_heads % num_kv_heads:
     raise ValueError(f"Hq={num_q_heads} must be a multiple of KVH={num_kv_heads}.")
-  if not (q.dtype == k_pages.dtype == v_pages.dtype):
+  if k_pages.dtype == v_pages.dtype == FP8_DTYPE:
+    if not (jnp.issubdtype(q.dtype, jnp.floating) and q.dtype.itemsize >= 2):
+      raise ValueError(f"float8_e4m3fn pages need a bfloat16 / float16 / float32 q (the "
+                       f"compute dtype), got {q.dtype}.")
+  elif not (q.dtype == k_pages.dtype == v_pages.dtype):
     raise ValueError(f"q, k_pages, v_pages dtypes differ: {q.dtype}, {k_pages.dtype}, "
-                     f"{v_pages.dtype}.")
+                     f"{v_pages.dtype} (they must match, or both pages be float8_e4m3fn).")
   if block_tables.ndim != 2 or block_tables.shape[0] != batch:
     raise ValueError(f"block_tables must be [B={batch}, max_pages], got {block_tables.shape}.")
   if kv_lens.shape != (batch,):
@@ -196,19 +218,37 @@ def _check_inputs(q, k_pages, v_pages, block_tables, kv_lens, sliding_window, so
                        f"None, got shape {getattr(sinks, 'shape', type(sinks).__name__)}.")
     if not jnp.issubdtype(sinks.dtype, jnp.floating):
       raise ValueError(f"sinks must be a float array, got {sinks.dtype}.")
+  for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+    if scale is None:
+      continue
+    if getattr(scale, "shape", None) != (num_kv_heads,):
+      raise ValueError(f"{name} must be [KVH={num_kv_heads}] (one scale per kv head) or "
+                       f"None, got shape {getattr(scale, 'shape', type(scale).__name__)}.")
+    if not jnp.issubdtype(scale.dtype, jnp.floating):
+      raise ValueError(f"{name} must be a float array, got {scale.dtype}.")
+
+
+def head_scales(k_scale, v_scale, num_kv_heads):
+  """[KVH, 2] f32: (k_scale[h], v_scale[h]) per kv head, 1.0 where a scale is None."""
+  ones = jnp.ones((num_kv_heads,), jnp.float32)
+  return jnp.stack([ones if k_scale is None else k_scale.astype(jnp.float32),
+                    ones if v_scale is None else v_scale.astype(jnp.float32)], axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=("sliding_window", "soft_cap", "sm_scale",
                                              "block_config"))
 def paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, *,
                               sliding_window=None, soft_cap=None, sm_scale=None, sinks=None,
-                              block_config=None):
+                              k_scale=None, v_scale=None, block_config=None):
   """Pure-jnp paged attention: gather every table page, dense masked softmax.
 
   Same signature and result as `paged_attention` (block_config is accepted and ignored).
+  Scales are applied as the kernels apply them: k_scale to the logits, v_scale to the
+  normalised output, with the pages converted to q's dtype (exact for fp8).
   """
   del block_config
-  _check_inputs(q, k_pages, v_pages, block_tables, kv_lens, sliding_window, soft_cap, sinks)
+  _check_inputs(q, k_pages, v_pages, block_tables, kv_lens, sliding_window, soft_cap, sinks,
+                k_scale, v_scale)
   batch, q_len, num_q_heads, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape
   v_dim = v_pages.shape[3]
@@ -218,9 +258,11 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, *,
   precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
 
   # [KVH, B, max_pages, page_size, D] -> [KVH, B, K, D] with K = max_pages * page_size.
-  k = k_pages[:, block_tables].reshape(num_kv_heads, batch, -1, head_dim)
-  v = v_pages[:, block_tables].reshape(num_kv_heads, batch, -1, v_dim)
+  k = k_pages[:, block_tables].reshape(num_kv_heads, batch, -1, head_dim).astype(q.dtype)
+  v = v_pages[:, block_tables].reshape(num_kv_heads, batch, -1, v_dim).astype(q.dtype)
   qg = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
+  if k_scale is not None:  # per kv head, folded into the logit scale
+    sm_scale = sm_scale * k_scale.astype(jnp.float32).reshape(1, num_kv_heads, 1, 1, 1)
   logits = jnp.einsum("bqhgd,hbkd->bhgqk", qg, k, precision=precision,
                       preferred_element_type=jnp.float32) * sm_scale
   if soft_cap is not None:
@@ -253,17 +295,22 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, *,
   # be swallowed as 0. With sinks, such a row has o == 0 and l > 0: also 0.
   seen = l != 0.0
   o = jnp.where(seen[..., None], o / jnp.where(seen, l, 1.0)[..., None], 0.0)
+  if v_scale is not None:
+    o = o * v_scale.astype(jnp.float32).reshape(1, num_kv_heads, 1, 1, 1)
   return o.transpose(0, 3, 1, 2, 4).reshape(
       batch, q_len, num_q_heads, v_dim).astype(q.dtype)
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, kv_lens, *, sliding_window=None,
-                    soft_cap=None, sm_scale=None, sinks=None, backend=None, interpret=False,
-                    block_config=None):
+                    soft_cap=None, sm_scale=None, sinks=None, k_scale=None, v_scale=None,
+                    backend=None, interpret=False, block_config=None):
   """Paged GQA attention over the pages named by `block_tables` (module docstring).
 
   sm_scale: default 1 / sqrt(D) (the key head dim). sinks: None or [Hq] per-query-head
   sink logits (a traced array, computed in f32; module docstring).
+  k_scale, v_scale: None (1.0) or [KVH] float traced arrays, kv head h's dequantization
+  scales: its logical keys are k_pages[h] * k_scale[h], likewise values; for fp8
+  (float8_e4m3fn) pages, and applied to pages of any dtype (module docstring).
   backend: None -> $MTP_JAX_ATTENTION_BACKEND or jax.default_backend() ('cpu' runs the
   reference); or 'gpu', 'tpu', 'reference'. Resolved here, outside jit, so the env var
   is read on every call. interpret=True runs the chosen Pallas kernel in interpret mode
@@ -273,7 +320,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, kv_lens, *, sliding_windo
   """
   backend = _resolve_backend(backend)
   kwargs = dict(sliding_window=sliding_window, soft_cap=soft_cap, sm_scale=sm_scale,
-                sinks=sinks)
+                sinks=sinks, k_scale=k_scale, v_scale=v_scale)
   if backend == "reference":
     return paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, **kwargs)
   if block_config is not None and not isinstance(block_config, BlockConfig):
@@ -286,9 +333,11 @@ def paged_attention(q, k_pages, v_pages, block_tables, kv_lens, *, sliding_windo
 @functools.partial(jax.jit, static_argnames=("sliding_window", "soft_cap", "sm_scale",
                                              "backend", "interpret", "block_config"))
 def _paged_attention_kernel(q, k_pages, v_pages, block_tables, kv_lens, *, sliding_window,
-                            soft_cap, sm_scale, sinks, backend, interpret, block_config):
+                            soft_cap, sm_scale, sinks, k_scale, v_scale, backend, interpret,
+                            block_config):
   """Pack the query rows (and their sinks), run the backend's kernel, unpack."""
-  _check_inputs(q, k_pages, v_pages, block_tables, kv_lens, sliding_window, soft_cap, sinks)
+  _check_inputs(q, k_pages, v_pages, block_tables, kv_lens, sliding_window, soft_cap, sinks,
+                k_scale, v_scale)
   batch, q_len, num_q_heads, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape
   v_dim = v_pages.shape[3]
@@ -309,20 +358,23 @@ def _paged_attention_kernel(q, k_pages, v_pages, block_tables, kv_lens, *, slidi
     sink_rows = jnp.tile(sinks.astype(jnp.float32).reshape(num_kv_heads, 1, group),
                          (1, q_len, 1)).reshape(num_kv_heads, rows)
     sink_rows = jnp.pad(sink_rows, ((0, 0), (0, padded - rows)))
+  # Always passed (ones when None): multiplying by 1.0 changes no bit, and one kernel
+  # signature serves quantized and plain pages.
+  scales = head_scales(k_scale, v_scale, num_kv_heads)
   common = dict(q_len=q_len, group=group, soft_cap=soft_cap, window=sliding_window,
                 sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale,
                 pages_per_block=cfg.pages_per_block, rows_per_block=cfg.rows_per_block,
                 interpret=interpret)
   if backend == "gpu":
     from pallas_kernels.paged_attention_gpu import paged_attention_gpu
-    out = paged_attention_gpu(qp, k_pages, v_pages, block_tables, kv_lens, sink_rows,
+    out = paged_attention_gpu(qp, k_pages, v_pages, block_tables, kv_lens, scales, sink_rows,
                               **common, num_splits=cfg.num_splits,
                               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
   else:
     if cfg.num_splits != 1:
       raise ValueError("The TPU kernel runs one KV split; set BlockConfig.num_splits=1.")
     from pallas_kernels.paged_attention_tpu import paged_attention_tpu
-    out = paged_attention_tpu(qp, k_pages, v_pages, block_tables, kv_lens, sink_rows,
+    out = paged_attention_tpu(qp, k_pages, v_pages, block_tables, kv_lens, scales, sink_rows,
                               **common)
   out = out[:, :, :rows, :v_dim].reshape(batch, num_kv_heads, q_len, group, v_dim)
   return out.transpose(0, 2, 1, 3, 4).reshape(batch, q_len, num_q_heads, v_dim)

@@ -19,6 +19,11 @@ context on an H200 (docs/BENCHMARKS.md). A key dim that is not a power of two is
 into power-of-two parts (`key_dim_parts`: 192 = 128 + 64), one gather and one dot each;
 a part or value dim that is not a power of two >= 16 is padded up by masked loads
 (`dim_tile`), and the output then carries dim_tile(Dv) columns, sliced by the caller.
+
+fp8 pages are loaded as 1-byte values and converted to q's dtype in registers right after
+the gather (half the HBM bytes of bf16; the dots stay bf16 / f32). The per-kv-head scales
+come in as one [KVH, 2] f32 array: program (b, h, ...) reads k_scale[h] into its logit
+scale and v_scale[h] into its output (the split partials carry it; the combine is linear).
 """
 
 from __future__ import annotations
@@ -63,8 +68,8 @@ def _load_q_cols(q_ref, start, width, tile):
   return pltriton.load(q_ref.at[at], mask=col < width, other=0.0)
 
 
-def _kernel(kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, sm_scale, soft_cap, window,
-            q_len, group, pages_per_block, num_splits, has_sinks):
+def _kernel(kv_lens_ref, bt_ref, scale_ref, q_ref, k_ref, v_ref, *refs, sm_scale, soft_cap,
+            window, q_len, group, pages_per_block, num_splits, has_sinks):
   sink_ref, out_refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
   tile, split = pl.program_id(2), pl.program_id(3)
   rows, head_dim = q_ref.shape
@@ -74,6 +79,9 @@ def _kernel(kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, sm_scale, soft_cap,
   block_k = pages_per_block * page_size
   kv_capacity = max_pages * page_size
   kv_len = kv_lens_ref[0]
+  # This kv head's scales: k_scale joins the logit scale, v_scale the output.
+  logit_scale = sm_scale * scale_ref[0]
+  v_scale = scale_ref[1]
 
   lo, hi = tile_kv_range(tile, kv_len=kv_len, rows_per_block=rows, q_len=q_len,
                          group=group, window=window, kv_capacity=kv_capacity)
@@ -109,7 +117,8 @@ def _kernel(kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, sm_scale, soft_cap,
       mask &= dim_idx < width
     # Whole-array indices (no slices): the interpreter's masked load needs them.
     at = (jnp.broadcast_to(pages[:, None], kv_row.shape), slot_idx, start + dim_idx)
-    return pltriton.load(ref.at[at], mask=mask, other=0.0)
+    # fp8 pages: to the compute dtype right after the load (exact for e4m3 values).
+    return pltriton.load(ref.at[at], mask=mask, other=0.0).astype(q_ref.dtype)
 
   def body(j, carry):
     acc, m_prev, l_prev = carry
@@ -124,7 +133,7 @@ def _kernel(kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, sm_scale, soft_cap,
                                preferred_element_type=jnp.float32)
       s = s_part if s is None else s + s_part
     v = gather(v_ref, pages, pos0, *v_part)
-    s = s * sm_scale
+    s = s * logit_scale
     if soft_cap is not None:
       s = soft_cap * jnp.tanh(s / soft_cap)
     mask = visible_mask(row, pos0 + col, kv_len=kv_len, q_len=q_len, group=group,
@@ -152,15 +161,18 @@ def _kernel(kv_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, sm_scale, soft_cap,
       m, l = jnp.where(split == 0, m_sink, m), jnp.where(split == 0, l_sink, l)
   acc, m, l = lax.fori_loop(begin, end, body, (acc, m, l))
 
-  store_rows(out_refs, acc, m, l)
+  store_rows(out_refs, acc, m, l, v_scale)
 
 
-def store_rows(out_refs, acc, m, l):
+def store_rows(out_refs, acc, m, l, v_scale=None):
   """Normalise a tile's f32 accumulator and store it: the output alone (one split), or
   the normalised partial and its log-sum-exp for `combine_splits` (several). Rows that
-  saw nothing store 0 (lse -inf); a NaN in a visible position stays NaN."""
+  saw nothing store 0 (lse -inf); a NaN in a visible position stays NaN. v_scale (a
+  scalar, or None) multiplies the output, not the lse: the combine is linear in it."""
   seen = l != 0.0
   out = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0)
+  if v_scale is not None:
+    out = out * v_scale
   if len(out_refs) == 1:
     (o_ref,) = out_refs
     o_ref[...] = out.astype(o_ref.dtype)
@@ -180,12 +192,14 @@ def combine_splits(o_parts, lse):
   return o / jnp.where(den > 0.0, den, 1.0)[..., None]
 
 
-def paged_attention_gpu(q_packed, k_pages, v_pages, block_tables, kv_lens, sink_rows=None,
-                        *, q_len, group, sm_scale, soft_cap, window, pages_per_block,
-                        num_splits, rows_per_block, num_warps, num_stages, interpret):
-  """q_packed [B, KVH, R, D] (R a multiple of rows_per_block), sink_rows None or [KVH, R]
-  f32 (packed row r's sink) -> f32-combined [B, KVH, R, dim_tile(Dv)] in q's dtype;
-  columns past Dv are zero."""
+def paged_attention_gpu(q_packed, k_pages, v_pages, block_tables, kv_lens, scales,
+                        sink_rows=None, *, q_len, group, sm_scale, soft_cap, window,
+                        pages_per_block, num_splits, rows_per_block, num_warps, num_stages,
+                        interpret):
+  """q_packed [B, KVH, R, D] (R a multiple of rows_per_block), pages in q's dtype or fp8,
+  scales [KVH, 2] f32 (k_scale, v_scale per kv head), sink_rows None or [KVH, R] f32
+  (packed row r's sink) -> f32-combined [B, KVH, R, dim_tile(Dv)] in q's dtype; columns
+  past Dv are zero."""
   batch, kv_heads, rows, head_dim = q_packed.shape
   _, _, page_size, v_dim = v_pages.shape
   max_pages = block_tables.shape[1]
@@ -199,6 +213,8 @@ def paged_attention_gpu(q_packed, k_pages, v_pages, block_tables, kv_lens, sink_
                      "page_size >= 16 (tensor-core tiles); got "
                      f"{rows_per_block} and {pages_per_block * page_size}.")
   assert rows % rows_per_block == 0, (rows, rows_per_block)
+  assert scales.shape == (kv_heads, 2) and scales.dtype == jnp.float32, (scales.shape,
+                                                                         scales.dtype)
   grid = (batch, kv_heads, rows // rows_per_block, num_splits)
   v_tile = dim_tile(v_dim)
   out_dims = (batch, kv_heads, rows, v_tile)
@@ -211,11 +227,12 @@ def paged_attention_gpu(q_packed, k_pages, v_pages, block_tables, kv_lens, sink_
   in_specs = [
       pl.BlockSpec((1,), lambda b, h, t, s: (b,)),
       pl.BlockSpec((None, max_pages), lambda b, h, t, s: (b, 0)),
+      pl.BlockSpec((None, 2), lambda b, h, t, s: (h, 0)),
       q_spec,
       pl.BlockSpec((None, *k_pages.shape[1:]), lambda b, h, t, s: (h, 0, 0, 0)),
       pl.BlockSpec((None, *v_pages.shape[1:]), lambda b, h, t, s: (h, 0, 0, 0)),
   ]
-  args = [kv_lens, block_tables, q_packed, k_pages, v_pages]
+  args = [kv_lens, block_tables, scales, q_packed, k_pages, v_pages]
   if sink_rows is not None:
     in_specs.append(pl.BlockSpec((None, rows_per_block), lambda b, h, t, s: (h, t)))
     args.append(sink_rows)

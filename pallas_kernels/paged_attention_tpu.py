@@ -13,6 +13,15 @@ starts the online softmax. Copies index the HBM ref with `.at[head, page]` and w
 run. K and V pages have their own widths D and Dv; every block spans a full head dim,
 so a D such as 192 (not a multiple of the 128 lanes) is one dot whose contracting dim
 Mosaic pads to whole lane tiles in VMEM and masks (nothing is padded in HBM).
+
+fp8 pages are copied as 1-byte data into 1-byte VMEM buffers and converted to q's dtype
+(through f32: Mosaic converts between arbitrary float types only by way of f32) right
+after the buffer read. The per-kv-head scales are scalar-prefetched into SMEM beside the
+block tables: k_scale[h] joins the logit scale, v_scale[h] multiplies the output. A VMEM
+tile of 8-bit data is (32, 128) (16 rows for 16-bit, 8 for 32-bit), and page i of a block
+lands at row i * page_size of its buffer, so fp8 pages need page_size % 32 == 0 for every
+page copy to fill whole tiles (`paged_attention_tpu` refuses other sizes rather than leave
+a sub-tile DMA to the compiler; only interpret mode has run this kernel).
 """
 
 from __future__ import annotations
@@ -27,9 +36,19 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.paged_attention import MASK_VALUE, tile_kv_range, visible_mask
 
+# Rows of a VMEM tile of 8-bit data: (32, 128), four rows packed per 32-bit sublane.
+FP8_TILE_ROWS = 32
 
-def _kernel(kv_lens_ref, bt_ref, q_ref, k_hbm, v_hbm, *refs, sm_scale, soft_cap, window,
-            q_len, group, pages_per_block, max_pages, has_sinks):
+
+def _to_compute(x, dtype):
+  """x in dtype; a different float type (fp8) goes through f32, which Mosaic converts."""
+  if x.dtype == dtype:
+    return x
+  return x.astype(jnp.float32).astype(dtype)
+
+
+def _kernel(kv_lens_ref, bt_ref, scale_ref, q_ref, k_hbm, v_hbm, *refs, sm_scale, soft_cap,
+            window, q_len, group, pages_per_block, max_pages, has_sinks):
   if has_sinks:
     sink_ref, o_ref, k_buf, v_buf, sems = refs
   else:
@@ -41,6 +60,10 @@ def _kernel(kv_lens_ref, bt_ref, q_ref, k_hbm, v_hbm, *refs, sm_scale, soft_cap,
   block_k = pages_per_block * page_size
   kv_capacity = max_pages * page_size
   kv_len = kv_lens_ref[b]
+  # This kv head's scales ([KVH * 2] in SMEM): k_scale joins the logit scale, v_scale the
+  # output.
+  logit_scale = sm_scale * scale_ref[2 * h]
+  v_scale = scale_ref[2 * h + 1]
 
   lo, hi = tile_kv_range(tile, kv_len=kv_len, rows_per_block=rows, q_len=q_len,
                          group=group, window=window, kv_capacity=kv_capacity)
@@ -95,10 +118,10 @@ def _kernel(kv_lens_ref, bt_ref, q_ref, k_hbm, v_hbm, *refs, sm_scale, soft_cap,
       start(j + 1, 1 - slot)
 
     wait(j, slot)
-    k = k_buf[slot]
-    v = v_buf[slot]
+    k = _to_compute(k_buf[slot], q.dtype)
+    v = _to_compute(v_buf[slot], q.dtype)
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                        preferred_element_type=jnp.float32) * sm_scale
+                        preferred_element_type=jnp.float32) * logit_scale
     if soft_cap is not None:
       s = soft_cap * jnp.tanh(s / soft_cap)
     pos0 = (first_page + j * pages_per_block) * page_size
@@ -127,18 +150,27 @@ def _kernel(kv_lens_ref, bt_ref, q_ref, k_hbm, v_hbm, *refs, sm_scale, soft_cap,
     l = jnp.zeros((rows, 1), jnp.float32)
   acc, m, l = lax.fori_loop(0, num_blocks, body, (acc, m, l))
   seen = l != 0.0  # nothing visible; a NaN in a visible position stays NaN
-  o_ref[...] = jnp.where(seen, acc / jnp.where(seen, l, 1.0), 0.0).astype(o_ref.dtype)
+  out = jnp.where(seen, acc / jnp.where(seen, l, 1.0), 0.0) * v_scale
+  o_ref[...] = out.astype(o_ref.dtype)
 
 
-def paged_attention_tpu(q_packed, k_pages, v_pages, block_tables, kv_lens, sink_rows=None,
-                        *, q_len, group, sm_scale, soft_cap, window, pages_per_block,
-                        rows_per_block, interpret):
-  """q_packed [B, KVH, R, D] (R a multiple of rows_per_block), sink_rows None or [KVH, R]
-  f32 (packed row r's sink) -> [B, KVH, R, Dv]."""
+def paged_attention_tpu(q_packed, k_pages, v_pages, block_tables, kv_lens, scales,
+                        sink_rows=None, *, q_len, group, sm_scale, soft_cap, window,
+                        pages_per_block, rows_per_block, interpret):
+  """q_packed [B, KVH, R, D] (R a multiple of rows_per_block), pages in q's dtype or fp8,
+  scales [KVH, 2] f32 (k_scale, v_scale per kv head), sink_rows None or [KVH, R] f32
+  (packed row r's sink) -> [B, KVH, R, Dv]."""
   batch, kv_heads, rows, head_dim = q_packed.shape
   _, _, page_size, v_dim = v_pages.shape
   max_pages = block_tables.shape[1]
   assert rows % rows_per_block == 0, (rows, rows_per_block)
+  assert scales.shape == (kv_heads, 2) and scales.dtype == jnp.float32, (scales.shape,
+                                                                         scales.dtype)
+  if k_pages.dtype.itemsize == 1 and page_size % FP8_TILE_ROWS:
+    raise ValueError(f"TPU paged attention over 1-byte ({k_pages.dtype}) pages needs a "
+                     f"page_size that is a multiple of {FP8_TILE_ROWS} (a VMEM tile of 8-bit "
+                     f"data is ({FP8_TILE_ROWS}, 128): each page copy must fill whole "
+                     f"tiles), got {page_size}.")
   block_k = pages_per_block * page_size
 
   kernel = functools.partial(
@@ -148,13 +180,13 @@ def paged_attention_tpu(q_packed, k_pages, v_pages, block_tables, kv_lens, sink_
   q_spec = pl.BlockSpec((None, None, rows_per_block, head_dim),
                         lambda b, h, t, *_: (b, h, t, 0))
   in_specs = [q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
-  args = [kv_lens, block_tables.reshape(-1), q_packed, k_pages, v_pages]
+  args = [kv_lens, block_tables.reshape(-1), scales.reshape(-1), q_packed, k_pages, v_pages]
   if sink_rows is not None:
     # [KVH, R, 1]: a (rows, 1) column, the layout of the running max and sum.
     in_specs.append(pl.BlockSpec((None, rows_per_block, 1), lambda b, h, t, *_: (h, t, 0)))
     args.append(sink_rows[..., None])
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=2,
+      num_scalar_prefetch=3,
       grid=(batch, kv_heads, rows // rows_per_block),
       in_specs=in_specs,
       out_specs=pl.BlockSpec((None, None, rows_per_block, v_dim),

@@ -1,4 +1,5 @@
-"""KV write by slot mapping: writes land in their slots, dropped slots change nothing."""
+"""KV write by slot mapping: writes land in their slots, dropped slots change nothing;
+fp8 pages store new / scale saturated to +-448 and read back within fp8 precision."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kv_write import DROP_SLOT, slot_mapping, write_kv
+from pallas_kernels.kv_write import (
+    DROP_SLOT, FP8_DTYPE, FP8_MAX, slot_mapping, write_kv, write_rows)
 
 KVH, NUM_PAGES, PS, D = 2, 6, 4, 8
 
@@ -110,3 +112,93 @@ def test_slot_mapping_then_write_round_trip():
       if p < int(limit[b]):
         page = int(tables[b, p // PS])
         np.testing.assert_array_equal(k1[:, page, p % PS], k_new[b, t])
+
+
+def _fp8_pages(fill=np.nan):
+  return jnp.full((KVH, NUM_PAGES, PS, D), fill, FP8_DTYPE)
+
+
+def _bits(x):
+  return np.asarray(x).view(np.uint8)
+
+
+def test_fp8_write_round_trip():
+  """Rows of magnitudes 1 and 100 (one per head) with amax / 448 scales read back as
+  page * scale within e4m3 precision: half an ulp, 2^-4 relatively, or 2^-10 * scale
+  (half the smallest subnormal) near zero. The stored bytes are exactly the cast of
+  new / scale."""
+  rng = np.random.default_rng(3)
+  slots = np.array([0, 5, 13, 23], np.int32)
+  mag = np.array([1.0, 100.0], np.float32)
+  k_new = (rng.standard_normal((len(slots), KVH, D)) * mag[:, None]).astype(np.float32)
+  v_new = (rng.standard_normal((len(slots), KVH, D)) * mag[:, None]).astype(np.float32)
+  k_scale = np.abs(k_new).max(axis=(0, 2)) / FP8_MAX
+  v_scale = np.abs(v_new).max(axis=(0, 2)) / FP8_MAX
+  k1, v1 = write_kv(_fp8_pages(), _fp8_pages(), jnp.asarray(k_new), jnp.asarray(v_new),
+                    jnp.asarray(slots), jnp.asarray(k_scale), jnp.asarray(v_scale))
+  assert k1.dtype == v1.dtype == FP8_DTYPE
+  for pages, new, scale in ((k1, k_new, k_scale), (v1, v_new, v_scale)):
+    stored = np.asarray(pages)[:, slots // PS, slots % PS].swapaxes(0, 1)  # [T, KVH, D]
+    want = np.clip(new / scale[:, None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    np.testing.assert_array_equal(_bits(stored), _bits(want))
+    got = stored.astype(np.float32) * scale[:, None]
+    assert (np.abs(got - new) <= 2.0 ** -4 * np.abs(new) + 2.0 ** -10 * scale[:, None]).all()
+    # Every other slot still holds the NaN it started with.
+    rest = np.ones((NUM_PAGES * PS,), bool)
+    rest[slots] = False
+    assert np.isnan(np.asarray(pages, np.float32).reshape(KVH, -1, D)[:, rest]).all()
+
+
+def test_fp8_write_saturates_and_keeps_non_finite_nan():
+  """Finite values past +-448 after the scale (with a tiny scale x / scale even
+  overflows f32) are stored as +-448, never NaN; NaN and +-inf inputs are stored as NaN."""
+  x = np.array([447.0, 500.0, -1e4, 3e38, -3e38, 1e-3, 0.0, np.nan, np.inf, -np.inf],
+               np.float32)
+  finite = np.isfinite(x)
+  new = jnp.asarray(np.broadcast_to(x[:, None, None], (len(x), KVH, D)))
+  slots = jnp.arange(len(x), dtype=jnp.int32)
+  for scale in (None, np.array([1.0, 1e-3], np.float32)):
+    got = write_rows(_fp8_pages(0.0), new, slots, None if scale is None else jnp.asarray(scale))
+    got = np.asarray(got, np.float32).reshape(KVH, -1, D)[:, :len(x)]  # [KVH, T, D]
+    s = np.ones(KVH, np.float32) if scale is None else scale
+    with np.errstate(over="ignore"):
+      want = np.where(finite, np.clip(x / s[:, None], -FP8_MAX, FP8_MAX), np.nan)
+    want = want.astype(FP8_DTYPE).astype(np.float32)                    # [KVH, T]
+    np.testing.assert_array_equal(got, np.broadcast_to(want[..., None], got.shape))
+    assert np.isfinite(got[:, finite]).all() and np.isnan(got[:, ~finite]).all()
+    assert (np.abs(got[:, 1:5]) == FP8_MAX).all()   # 500, -1e4, +-3e38
+  assert (np.abs(got[1, 0]) == FP8_MAX).all()       # 447 / 1e-3
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_fp8_dropped_slots_leave_pages_untouched(batched):
+  k0 = jnp.asarray(np.random.default_rng(4).standard_normal((KVH, NUM_PAGES, PS, D)),
+                   FP8_DTYPE)
+  slots = np.array([DROP_SLOT, -1, NUM_PAGES * PS, 2], np.int32)
+  new = np.full((len(slots), KVH, D), 3.0, np.float32)
+  scale = jnp.array([0.5, 2.0], jnp.float32)
+  if batched:
+    slots, new = slots.reshape(2, 2), new.reshape(2, 2, KVH, D)
+  k1, _ = _write_donated_scaled(k0.copy(), k0.copy(), jnp.asarray(new), jnp.asarray(new),
+                                jnp.asarray(slots), scale, scale)
+  want = np.asarray(k0).copy()
+  want[:, 0, 2] = np.array([6.0, 1.5], np.float32)[:, None].astype(FP8_DTYPE)
+  np.testing.assert_array_equal(_bits(k1), _bits(want))
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _write_donated_scaled(k_pages, v_pages, k_new, v_new, slots, k_scale, v_scale):
+  return write_kv(k_pages, v_pages, k_new, v_new, slots, k_scale, v_scale)
+
+
+def test_scale_on_plain_pages_divides_and_is_checked():
+  """Scales mean the same for every page dtype: bf16 pages store new / scale (no clip)."""
+  k0 = jnp.zeros((KVH, NUM_PAGES, PS, D), jnp.bfloat16)
+  new = jnp.full((1, KVH, D), 1000.0, jnp.float32)
+  got = write_rows(k0, new, jnp.array([6], jnp.int32), jnp.array([0.5, 2.0], jnp.float32))
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(got[:, 1, 2, 0], np.float32), [2000.0, 500.0])
+  with pytest.raises(ValueError, match="scale must be"):
+    write_rows(k0, new, jnp.array([6], jnp.int32), jnp.ones((KVH + 1,), jnp.float32))
+  with pytest.raises(ValueError, match="scale must be"):
+    write_rows(k0, new, jnp.array([6], jnp.int32), jnp.ones((KVH,), jnp.int32))

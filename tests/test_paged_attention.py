@@ -2,8 +2,12 @@
 
 Every page and slot that no query row may see is NaN, and unused block-table entries
 point at NaN pages, so an out-of-bounds or unmasked read shows up as NaN in the output.
-Cases with attention sinks or a value head dim other than the key head dim also check
-every backend against the numpy oracle directly.
+Cases with attention sinks, a value head dim other than the key head dim or scaled (fp8)
+pages also check every backend against the numpy oracle directly.
+
+fp8 cases store K and V as float8_e4m3fn with per-kv-head scales that differ between
+heads and between K and V, so a kernel that ignores, swaps or misassigns a scale fails;
+the oracle attends over the dequantized pages (page * scale) in float64.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pallas_kernels.paged_attention import (
     BlockConfig, default_block_config, paged_attention, paged_attention_reference)
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+FP8 = jnp.float8_e4m3fn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +43,8 @@ class Case:
   head_dim: int = 32
   v_dim: int | None = None       # value head dim; default head_dim
   sinks: bool = False            # per-query-head attention-sink logits
+  kv_dtype: type | None = None   # page dtype; default dtype (q's)
+  scales: bool = False           # per-kv-head k_scale / v_scale (else None: 1.0)
 
 
 CASES = {c.name: c for c in [
@@ -78,16 +85,57 @@ CASES = {c.name: c for c in [
     # D 40 = 32 + 8 and Dv 24: parts padded by masked loads on GPU.
     Case("q2_g4_ps8_d40_dv24_sinks", 2, 4, 8, (12, 1), head_dim=40, v_dim=24, sinks=True,
          overrides=(("pages_per_block", 2),)),
+    # fp8 pages with per-kv-head scales. Decode, GQA 4, split-K 3 (kv_len 0 and 15 leave
+    # splits empty).
+    Case("decode_g4_ps16_fp8_split3", 1, 4, 16, (0, 15, 40, 77), jnp.bfloat16, kv_dtype=FP8,
+         scales=True, overrides=(("pages_per_block", 1), ("num_splits", 3))),
+    # Verify Q = 4 with a window and sinks, split-K 2.
+    Case("q4_g2_ps8_fp8_window_sinks_split2", 4, 2, 8, (2, 19, 30), jnp.bfloat16, window=12,
+         sinks=True, kv_dtype=FP8, scales=True,
+         overrides=(("pages_per_block", 2), ("num_splits", 2))),
+    # f32 q over fp8 pages, D 48 = 32 + 16, Dv 32, soft cap (k_scale applies before it).
+    Case("q2_g4_ps8_d48_dv32_fp8_softcap_f32_split2", 2, 4, 8, (9, 33, 3), soft_cap=3.0,
+         head_dim=48, v_dim=32, kv_dtype=FP8, scales=True,
+         overrides=(("pages_per_block", 2), ("num_splits", 2))),
+    # MiMo-V2-Flash sliding shape (D 192, Dv 128, window, sinks) over fp8 pages.
+    Case("decode_g8_ps16_d192_dv128_fp8_window_sinks", 1, 8, 16, (0, 40, 150),
+         jnp.bfloat16, window=32, sinks=True, head_dim=192, v_dim=128, kv_dtype=FP8,
+         scales=True, overrides=(("pages_per_block", 1), ("num_splits", 2))),
+    # fp8 without scales (1.0), and scales over bf16 pages (they apply whatever the dtype).
+    Case("decode_g1_ps8_fp8_no_scales_f32", 1, 1, 8, (7, 8, 9, 0), kv_dtype=FP8),
+    Case("q4_g4_ps16_bf16_pages_scales", 4, 4, 16, (16, 33, 4), jnp.bfloat16, scales=True,
+         overrides=(("pages_per_block", 2),)),
+    # Page size 32: what the TPU kernel needs for 1-byte pages (whole (32, 128) tiles).
+    Case("q4_g2_ps32_fp8_window_sinks", 4, 2, 32, (3, 40, 70), jnp.bfloat16, window=40,
+         sinks=True, kv_dtype=FP8, scales=True, overrides=(("pages_per_block", 2),)),
+    Case("decode_g4_ps32_d48_dv32_fp8_f32", 1, 4, 32, (0, 33, 64), head_dim=48, v_dim=32,
+         kv_dtype=FP8, scales=True, overrides=(("pages_per_block", 1),)),
 ]}
 # The TPU interpreter is slow: one case per axis value rather than all of them.
 TPU_CASES = ["decode_g1_ps8", "decode_g4_ps16_bf16", "q2_g8_ps8_window",
              "q4_g4_ps16_window_softcap_bf16", "q8_g1_ps8_short", "prefill64_g4_ps16",
              "q2_g4_ps8_past_table", "q4_g2_ps8_window_sinks_split2_bf16",
-             "decode_g8_ps16_d192_dv128_window_sinks_bf16", "q2_g4_ps8_d40_dv24_sinks"]
+             "decode_g8_ps16_d192_dv128_window_sinks_bf16", "q2_g4_ps8_d40_dv24_sinks",
+             "q4_g4_ps16_bf16_pages_scales", "q4_g2_ps32_fp8_window_sinks",
+             "decode_g4_ps32_d48_dv32_fp8_f32"]
+
+
+def make_scales(case: Case):
+  """(k_scale, v_scale) [KVH] f32, or (None, None). They differ between heads (x2.5 per
+  head) and between K and V (opposite orders), and are small enough that the stored fp8
+  values span most of the e4m3 range (|N(0, 1)| / 0.015 < 448)."""
+  if not case.scales:
+    return None, None
+  h = np.arange(case.kv_heads)
+  return (jnp.asarray(0.015 * 2.5 ** h, jnp.float32),
+          jnp.asarray(0.06 / 2.5 ** h, jnp.float32))
 
 
 def make_inputs(case: Case, seed: int = 0):
-  """Random q and a NaN-filled page pool holding only the KV some query row can see."""
+  """Random q and a NaN-filled page pool holding only the KV some query row can see.
+
+  With scales the logical K and V are N(0, 1) and the pages hold them divided by their
+  head's scale, cast to the page dtype (fp8 NaN stays NaN)."""
   rng = np.random.default_rng(seed)
   batch, ps, kvh, d = len(case.kv_lens), case.page_size, case.kv_heads, case.head_dim
   dv = case.v_dim or d
@@ -104,8 +152,12 @@ def make_inputs(case: Case, seed: int = 0):
       k[:, page, p % ps] = rng.standard_normal((kvh, d))
       v[:, page, p % ps] = rng.standard_normal((kvh, dv))
   q = rng.standard_normal((batch, case.q_len, kvh * case.group, d)).astype(np.float32)
-  cast = lambda x: jnp.asarray(x, case.dtype)
-  return (cast(q), cast(k), cast(v), jnp.asarray(tables, jnp.int32),
+  k_scale, v_scale = make_scales(case)
+  if case.scales:
+    k = k / np.asarray(k_scale)[:, None, None, None]
+    v = v / np.asarray(v_scale)[:, None, None, None]
+  page = lambda x: jnp.asarray(x, case.kv_dtype or case.dtype)
+  return (jnp.asarray(q, case.dtype), page(k), page(v), jnp.asarray(tables, jnp.int32),
           jnp.asarray(case.kv_lens, jnp.int32))
 
 
@@ -118,7 +170,15 @@ def make_sinks(case: Case, seed: int = 1):
 
 
 def case_kwargs(case: Case):
-  return dict(sliding_window=case.window, soft_cap=case.soft_cap, sinks=make_sinks(case))
+  k_scale, v_scale = make_scales(case)
+  return dict(sliding_window=case.window, soft_cap=case.soft_cap, sinks=make_sinks(case),
+              k_scale=k_scale, v_scale=v_scale)
+
+
+def dequantize(pages, scale):
+  """Pages as float64 logical values: page * scale[h] (scale None: 1.0)."""
+  pages = np.asarray(pages, np.float64)
+  return pages if scale is None else pages * np.asarray(scale, np.float64)[:, None, None, None]
 
 
 def numpy_attention(q, k_pages, v_pages, block_tables, kv_lens, *, window=None,
@@ -157,9 +217,13 @@ def numpy_attention(q, k_pages, v_pages, block_tables, kv_lens, *, window=None,
   return out
 
 
-def numpy_oracle(case: Case, args):
-  return numpy_attention(*args, window=case.window, soft_cap=case.soft_cap,
-                         sinks=make_sinks(case))
+def numpy_oracle(case: Case, args, scales=None):
+  """The oracle on the case's inputs, over pages dequantized with `scales` (default: the
+  case's own (k_scale, v_scale))."""
+  q, k, v, tables, kv_lens = args
+  k_scale, v_scale = make_scales(case) if scales is None else scales
+  return numpy_attention(q, dequantize(k, k_scale), dequantize(v, v_scale), tables, kv_lens,
+                         window=case.window, soft_cap=case.soft_cap, sinks=make_sinks(case))
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -207,7 +271,7 @@ class PagedAttentionTest:
     assert not np.isnan(got).any()
     tol = TOL[case.dtype]
     np.testing.assert_allclose(got, np.asarray(want, np.float32), atol=tol, rtol=tol)
-    if case.sinks or case.v_dim:
+    if case.sinks or case.v_dim or case.scales or case.kv_dtype:
       want = numpy_oracle(case, (q, k, v, tables, kv_lens))
       np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
     # Rows that see nothing are exactly zero.
@@ -293,8 +357,10 @@ def test_sink_cases_are_sensitive(name):
   """The sink cases tell a correct kernel from one that ignores the sink or adds it once
   per KV split (split-K partials each with e^s: the combined sum holds S * e^s)."""
   case = CASES[name]
-  args = make_inputs(case)
-  want = numpy_oracle(case, args)
+  q, k, v, tables, kv_lens = make_inputs(case)
+  want = numpy_oracle(case, (q, k, v, tables, kv_lens))
+  k_scale, v_scale = make_scales(case)
+  args = (q, dequantize(k, k_scale), dequantize(v, v_scale), tables, kv_lens)
   splits = dict(case.overrides).get("num_splits", 1)
   wrong = [numpy_attention(*args, window=case.window, soft_cap=case.soft_cap)]
   if splits > 1:
@@ -303,6 +369,81 @@ def test_sink_cases_are_sensitive(name):
   tol = 3 * TOL[case.dtype]  # fails the backends' check with room to spare
   for w in wrong:
     assert not np.allclose(w, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.scales])
+def test_scale_cases_are_sensitive(name):
+  """The scaled cases tell a correct kernel from one that ignores the scales, applies
+  them to the wrong heads or swaps K's and V's."""
+  case = CASES[name]
+  args = make_inputs(case)
+  k_scale, v_scale = make_scales(case)
+  want = numpy_oracle(case, args)
+  ones = jnp.ones_like(k_scale)
+  wrong = [(ones, ones), (ones, v_scale), (k_scale, ones), (v_scale, k_scale)]
+  if case.kv_heads > 1:
+    wrong.append((k_scale[::-1], v_scale[::-1]))
+  tol = 3 * TOL[case.dtype]
+  for scales in wrong:
+    assert not np.allclose(numpy_oracle(case, args, scales), want, atol=tol, rtol=tol)
+
+
+def test_fp8_attention_is_close_to_bf16():
+  """fp8 pages with per-head amax scales (amax / 448) against bf16 pages of the same
+  unquantized K and V: per kv head, the RMS difference is within 6 % of the bf16
+  output's RMS and the largest within 10 % of its largest value (e4m3 keeps 3 mantissa
+  bits: a stored value is within 2^-4 of its input, relatively; about 4 % is typical).
+  The heads' K and V magnitudes differ by 8x (q shrunk to match, so both heads' logits
+  are about N(0, 1)): one shared scale would waste range on one of them."""
+  rng = np.random.default_rng(3)
+  batch, q_len, kvh, group, d, ps, max_pages = 2, 4, 2, 4, 64, 16, 16
+  mag = np.array([1.0, 8.0])
+  k = rng.standard_normal((kvh, batch * max_pages, ps, d)) * mag[:, None, None, None]
+  v = rng.standard_normal((kvh, batch * max_pages, ps, d)) * mag[:, None, None, None]
+  q = rng.standard_normal((batch, q_len, kvh, group, d)) / mag[:, None, None]
+  q = jnp.asarray(q.reshape(batch, q_len, kvh * group, d), jnp.bfloat16)
+  tables = jnp.asarray(rng.permutation(batch * max_pages).reshape(batch, max_pages),
+                       jnp.int32)
+  kv_lens = jnp.array([200, 256], jnp.int32)
+  k_scale = np.abs(k).reshape(kvh, -1).max(1) / 448
+  v_scale = np.abs(v).reshape(kvh, -1).max(1) / 448
+  k8 = jnp.asarray(k / k_scale[:, None, None, None], FP8)
+  v8 = jnp.asarray(v / v_scale[:, None, None, None], FP8)
+  got = paged_attention(q, k8, v8, tables, kv_lens, k_scale=jnp.asarray(k_scale, jnp.float32),
+                        v_scale=jnp.asarray(v_scale, jnp.float32), backend="gpu",
+                        interpret=True)
+  want = paged_attention_reference(q, jnp.asarray(k, jnp.bfloat16),
+                                   jnp.asarray(v, jnp.bfloat16), tables, kv_lens)
+  got, want = (np.asarray(x, np.float64).reshape(batch, q_len, kvh, group, d)
+               for x in (got, want))
+  for h in range(kvh):
+    diff, ref = got[:, :, h] - want[:, :, h], want[:, :, h]
+    assert np.sqrt((diff ** 2).mean()) <= 0.06 * np.sqrt((ref ** 2).mean()), h
+    assert np.abs(diff).max() <= 0.10 * np.abs(ref).max(), h
+
+
+def test_fp8_inputs_are_checked():
+  case = CASES["decode_g4_ps16_fp8_split3"]
+  q, k, v, tables, kv_lens = make_inputs(case)
+  k_scale, v_scale = make_scales(case)
+  with pytest.raises(ValueError, match="dtypes differ"):
+    paged_attention_reference(q, k, v.astype(jnp.bfloat16), tables, kv_lens)
+  with pytest.raises(ValueError, match="dtypes differ"):
+    paged_attention_reference(q, k.astype(jnp.float32), v.astype(jnp.float32), tables,
+                              kv_lens)
+  with pytest.raises(ValueError, match="float8_e4m3fn pages need"):
+    paged_attention_reference(q.astype(FP8), k, v, tables, kv_lens)
+  with pytest.raises(ValueError, match="k_scale must be"):
+    paged_attention_reference(q, k, v, tables, kv_lens, k_scale=k_scale[:1])
+  with pytest.raises(ValueError, match="v_scale must be"):
+    paged_attention(q, k, v, tables, kv_lens, v_scale=v_scale[None], backend="gpu",
+                    interpret=True)
+  with pytest.raises(ValueError, match="v_scale must be a float"):
+    paged_attention_reference(q, k, v, tables, kv_lens, v_scale=v_scale.astype(jnp.int32))
+  # Page size 16 of 1-byte data is half a (32, 128) TPU tile.
+  with pytest.raises(ValueError, match="multiple of 32"):
+    paged_attention(q, k, v, tables, kv_lens, k_scale=k_scale, v_scale=v_scale,
+                    backend="tpu", interpret=True, block_config=BlockConfig(pages_per_block=1))
 
 
 def test_sinks_and_value_dim_inputs_are_checked():
