@@ -34,6 +34,18 @@ Backends (`grouped_matmul(backend=...)`, else $MTP_JAX_MOE_BACKEND, else the pla
               over all E experts: unrouted experts are read, and their NaN leaks)
 An MoE layer that runs two matmuls on the same routing (gate/up, then down) can call
 `plan_groups` once and pass the plan to both.
+
+Quantized experts: w may hold 1-byte values (int8, float8_e4m3fn, float8_e5m2) with
+w_scale [E, S, M] float32, K % S == 0, meaning expert e's weight
+w[e, k, m] * w_scale[e, k // (K // S), m], as in `pallas_kernels.quant_matmul` (S == 1:
+per output channel; S = K / 128: 128-row blocks along K). x stays bfloat16 or float32.
+The GPU and TPU kernels read the 1-byte values, convert them to x's dtype after the load
+and scale each scale block's partial sum, so only 1 byte a weight moves (block_k must
+divide K // S on the GPU, divide it or be a multiple of it on the TPU). The reference
+gathers and scales per row; ragged_dot first dequantizes every expert into an x-dtype
+copy (reading all E experts and writing E * K * M values, rounded to x's dtype) and
+then runs as above. An unrouted expert's values and scales may hold anything, as its
+weights do unquantized.
 """
 
 from __future__ import annotations
@@ -46,6 +58,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import resolve_backend
+from pallas_kernels.quant_matmul import VALUE_DTYPES, check_quantized
 
 BACKEND_ENV_VAR = "MTP_JAX_MOE_BACKEND"
 EXTRA_BACKENDS = ("ragged_dot",)
@@ -101,8 +114,9 @@ def default_tile_rows(num_rows: int, num_experts: int, backend: str) -> int:
   return min(max(_next_pow2(per_expert), 16), 128 if backend == "tpu" else 64)
 
 
-def default_block_config(num_rows, num_experts, k, m, backend, num_cores=None) -> BlockConfig:
-  """Block sizes from the shapes.
+def default_block_config(num_rows, num_experts, k, m, backend, num_cores=None,
+                         scale_rows=1) -> BlockConfig:
+  """Block sizes from the shapes; scale_rows is S of quantized experts' w_scale.
 
   GPU: block_m 128, block_k 64 (smaller powers of two where M or K need them), one K
   split, 4 warps, 3 stages. On an H100 at the GLM-4.5-Air shapes (E=128, K=4096 /
@@ -111,17 +125,23 @@ def default_block_config(num_rows, num_experts, k, m, backend, num_cores=None) -
   32 lost up to 40 % at N=1024, and K splits never helped, so the defaults do not split.
   TPU: K in one step up to 2048 (else the largest 128-multiple divisor), 512-wide M
   blocks where M allows (untuned: no TPU was available).
+  Quantized experts (scale_rows S > 1): block_k as above but dividing the scale block
+  K // S (GPU), or dividing it or a multiple of it (TPU), so no K step straddles two
+  scale blocks; with S == 1 the defaults are the unquantized ones.
   num_cores is accepted for symmetry with the other ops' defaults and unused.
   """
   del num_cores
+  bk = k // max(scale_rows, 1)
   tile_rows = default_tile_rows(num_rows, num_experts, backend)
   if backend == "tpu":
-    block_k = k if k <= 2048 else (_first_divisor(k, (2048, 1024, 512, 256, 128)) or k)
+    fits = [c for c in (2048, 1024, 512, 256, 128)
+            if k % c == 0 and (bk % c == 0 or c % bk == 0)]
+    block_k = k if k <= 2048 else (fits[0] if fits else k)
     block_m = _first_divisor(m, (512, 256, 128)) or m
     return BlockConfig(tile_rows=tile_rows, block_m=block_m, block_k=block_k)
   return BlockConfig(tile_rows=tile_rows,
                      block_m=_first_divisor(m, (128, 64, 32)) or 16,
-                     block_k=_first_divisor(k, (64, 32)) or 16)
+                     block_k=_first_divisor(bk, (64, 32)) or 16)
 
 
 def num_tiles(num_rows: int, num_experts: int, tile_rows: int) -> int:
@@ -240,12 +260,17 @@ def plan_groups(group_ids, num_experts: int, tile_rows: int, *, method=None) -> 
                    tile_rows=tm, num_experts=e)
 
 
-def _check_inputs(x, w, group_ids):
+def _check_inputs(x, w, group_ids, w_scale):
   if x.ndim != 2:
     raise ValueError(f"x must be [N, K], got shape {x.shape}.")
   if w.ndim != 3 or w.shape[1] != x.shape[1]:
     raise ValueError(f"w must be [E, K={x.shape[1]}, M], got shape {w.shape}.")
-  if x.dtype != w.dtype:
+  if w_scale is not None:
+    check_quantized(x.dtype, w, w_scale, "w", "w_scale")
+  elif w.dtype in [jnp.dtype(d) for d in VALUE_DTYPES]:
+    raise ValueError(f"w is {w.dtype.name} (quantized experts): pass w_scale "
+                     f"[E={w.shape[0]}, S, M={w.shape[2]}] float32.")
+  elif x.dtype != w.dtype:
     raise ValueError(f"x and w dtypes differ: {x.dtype} and {w.dtype}.")
   if group_ids.shape != (x.shape[0],) or not jnp.issubdtype(group_ids.dtype, jnp.integer):
     raise ValueError(f"group_ids must be [N={x.shape[0]}] integer, got {group_ids.dtype} "
@@ -256,34 +281,55 @@ def _precision(dtype):
   return lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
+def _scale_rows(w_scale):
+  return 0 if w_scale is None else w_scale.shape[1]
+
+
+def dequantize(w, w_scale, dtype):
+  """[E, K, M] values * their scale blocks, in dtype (what ragged_dot multiplies)."""
+  e, k, m = w.shape
+  s = w_scale.shape[1]
+  w = w.astype(jnp.float32).reshape(e, s, k // s, m) * w_scale[:, :, None, :]
+  return w.reshape(e, k, m).astype(dtype)
+
+
 @jax.jit
-def _reference(x, w, group_ids):
+def _reference(x, w, group_ids, w_scale):
   e = w.shape[0]
   valid = (group_ids >= 0) & (group_ids < e)
-  wg = w[jnp.where(valid, group_ids, 0)]                          # [N, K, M]
-  out = jnp.einsum("nk,nkm->nm", x, wg, precision=_precision(x.dtype),
-                   preferred_element_type=jnp.float32)
+  expert = jnp.where(valid, group_ids, 0)
+  wg = w[expert]                                                  # [N, K, M]
+  if w_scale is None:
+    out = jnp.einsum("nk,nkm->nm", x, wg, precision=_precision(x.dtype),
+                     preferred_element_type=jnp.float32)
+  else:
+    (n, k), s, m = x.shape, w_scale.shape[1], w.shape[2]
+    parts = jnp.einsum("nsk,nskm->nsm", x.reshape(n, s, k // s),
+                       wg.astype(x.dtype).reshape(n, s, k // s, m),
+                       precision=_precision(x.dtype), preferred_element_type=jnp.float32)
+    out = jnp.sum(parts * w_scale[expert], axis=1)                # [N, S, M] -> [N, M]
   # where, not a multiply: the stand-in expert 0 of invalid rows may hold NaN.
   return jnp.where(valid[:, None], out, 0.0).astype(x.dtype)
 
 
 def grouped_matmul_reference(x, w, group_ids, *, backend=None, block=None, interpret=None,
-                             plan=None):
+                             plan=None, w_scale=None):
   """Pure-jnp grouped matmul: gather w[group_ids], one einsum (N weight matrices read).
 
   Same signature and result as `grouped_matmul`; backend, block, interpret and plan are
   accepted and ignored.
   """
   del backend, block, interpret, plan
-  _check_inputs(x, w, group_ids)
-  return _reference(x, w, group_ids)
+  _check_inputs(x, w, group_ids, w_scale)
+  return _reference(x, w, group_ids, w_scale)
 
 
 def _resolve_backend(backend):
   return resolve_backend(backend, BACKEND_ENV_VAR, "grouped_matmul", extra=EXTRA_BACKENDS)
 
 
-def grouped_matmul(x, w, group_ids, *, backend=None, block=None, interpret=None, plan=None):
+def grouped_matmul(x, w, group_ids, *, backend=None, block=None, interpret=None, plan=None,
+                   w_scale=None):
   """out[n] = x[n] @ w[group_ids[n]], 0 for ids outside [0, E) (module docstring).
 
   backend: None -> $MTP_JAX_MOE_BACKEND or jax.default_backend() ('cpu' runs the
@@ -292,12 +338,14 @@ def grouped_matmul(x, w, group_ids, *, backend=None, block=None, interpret=None,
   interpret: run the Pallas kernel in interpret mode; None: when jax runs on CPU.
   plan: a GroupPlan from `plan_groups(group_ids, E, block.tile_rows)` to share one
   routing between calls (it must describe these group_ids); None: planned here.
+  w_scale: [E, S, M] float32 scales of 1-byte w (quantized experts, module docstring);
+  None for bfloat16 / float32 w.
   Returns [N, M] in x.dtype.
   """
   backend = _resolve_backend(backend)
-  _check_inputs(x, w, group_ids)
+  _check_inputs(x, w, group_ids, w_scale)
   if backend == "reference":
-    return _reference(x, w, group_ids)
+    return _reference(x, w, group_ids, w_scale)
   if block is not None and not isinstance(block, BlockConfig):
     raise TypeError(f"block must be a BlockConfig, got {type(block).__name__}.")
   if interpret is None:
@@ -306,7 +354,8 @@ def grouped_matmul(x, w, group_ids, *, backend=None, block=None, interpret=None,
   e, _, m = w.shape
   if block is None:
     block = default_block_config(n, e, k, m, "tpu" if backend == "tpu" else "gpu",
-                                 num_cores=132 if interpret else None)
+                                 num_cores=132 if interpret else None,
+                                 scale_rows=max(1, _scale_rows(w_scale)))
     if plan is not None:
       block = dataclasses.replace(block, tile_rows=plan.tile_rows)
   if plan is not None:
@@ -318,12 +367,12 @@ def grouped_matmul(x, w, group_ids, *, backend=None, block=None, interpret=None,
     if backend != "ragged_dot" and plan.tile_rows != block.tile_rows:
       raise ValueError(f"plan.tile_rows={plan.tile_rows} != block.tile_rows="
                        f"{block.tile_rows}.")
-  return _grouped_matmul(x, w, group_ids, plan, backend=backend, block=block,
+  return _grouped_matmul(x, w, group_ids, plan, w_scale, backend=backend, block=block,
                          interpret=bool(interpret))
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "block", "interpret"))
-def _grouped_matmul(x, w, group_ids, plan, *, backend, block, interpret):
+def _grouped_matmul(x, w, group_ids, plan, w_scale, *, backend, block, interpret):
   """Plan (unless given), gather rows, run the backend, gather the results back."""
   n, _ = x.shape
   e, _, m = w.shape
@@ -332,6 +381,8 @@ def _grouped_matmul(x, w, group_ids, plan, *, backend, block, interpret):
   if plan is None:
     plan = plan_groups(group_ids, e, block.tile_rows)
   if backend == "ragged_dot":
+    if w_scale is not None:
+      w = dequantize(w, w_scale, x.dtype)                       # every expert (docstring)
     # Invalid rows sort last, past sum(group_sizes): ragged_dot gives them no group.
     ys = lax.ragged_dot(x[plan.sorted_rows], w, plan.group_sizes,
                         precision=_precision(x.dtype), preferred_element_type=jnp.float32)
@@ -341,7 +392,7 @@ def _grouped_matmul(x, w, group_ids, plan, *, backend, block, interpret):
   if backend == "gpu":
     from pallas_kernels.grouped_matmul_gpu import grouped_matmul_gpu
     ys = grouped_matmul_gpu(x, plan.slot_row, w, plan.tile_expert, plan.num_valid_tiles,
-                            block=block, interpret=interpret)
+                            block=block, interpret=interpret, w_scale=w_scale)
   else:
     if block.num_splits != 1:
       raise ValueError("The TPU kernel runs one K split; set BlockConfig.num_splits=1.")
@@ -349,7 +400,7 @@ def _grouped_matmul(x, w, group_ids, plan, *, backend, block, interpret):
     # Padding slots read a zero row; slots past the valid tiles are never computed.
     xs = jnp.take(x, plan.slot_row, axis=0, mode="fill", fill_value=0)
     ys = grouped_matmul_tpu(xs, w, plan.tile_expert, plan.num_valid_tiles, block=block,
-                            interpret=interpret)
+                            interpret=interpret, w_scale=w_scale)
   # Invalid rows point one past the end: 'fill' makes them exactly 0 and never reads
   # the uncomputed tiles.
   return jnp.take(ys, plan.row_slot, axis=0, mode="fill", fill_value=0)

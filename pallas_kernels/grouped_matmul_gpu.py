@@ -13,6 +13,12 @@ saves a padded copy of x and the kernel that writes it. Programs of tiles past
 `num_valid_tiles` return at once and leave their output rows unwritten: no row is
 gathered from them. With num_splits > 1 each split writes an f32 partial sum and the
 wrapper adds them (off by default: on an H100 splitting K never helped).
+
+Quantized experts (1-byte w with w_scale [E, S, M]): each chunk is converted to x's
+dtype right after its load, so HBM traffic stays 1 byte a weight. block_k divides the
+scale block K // S, so a chunk lies in one scale block: with S > 1 each chunk's partial
+product is multiplied by its scale row (w_scale[expert, block]) before it is added; with
+S == 1 the scale multiplies the sum once at the end.
 """
 
 from __future__ import annotations
@@ -26,8 +32,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 
-def _kernel(tile_expert_ref, num_valid_ref, slot_row_ref, x_ref, w_ref, o_ref, *, block_k,
-            num_k, num_splits):
+def _kernel(tile_expert_ref, num_valid_ref, slot_row_ref, x_ref, w_ref, *refs, block_k,
+            num_k, num_splits, group_chunks):
+  *s_refs, o_ref = refs            # s_refs: (w_scale,) for quantized experts, else ()
   tile, split = pl.program_id(0), pl.program_id(2)
   rows, block_m = o_ref.shape
 
@@ -43,19 +50,25 @@ def _kernel(tile_expert_ref, num_valid_ref, slot_row_ref, x_ref, w_ref, o_ref, *
     def body(i, acc):
       k0 = pl.multiple_of(i * block_k, block_k)
       xb = x_ref[x_rows, pl.ds(k0, block_k)]
-      wb = w_ref[expert, pl.ds(k0, block_k), :]
-      return acc + lax.dot_general(xb, wb, (((1,), (0,)), ((), ())), precision=precision,
-                                   preferred_element_type=jnp.float32)
+      wb = w_ref[expert, pl.ds(k0, block_k), :].astype(xb.dtype)   # exact for 1 byte
+      part = lax.dot_general(xb, wb, (((1,), (0,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)
+      if s_refs and s_refs[0].shape[1] > 1:
+        part = part * s_refs[0][expert, i // group_chunks, :][None, :]
+      return acc + part
 
     acc = lax.fori_loop(begin, end, body, jnp.zeros((rows, block_m), jnp.float32))
+    if s_refs and s_refs[0].shape[1] == 1:
+      acc = acc * s_refs[0][expert, 0, :][None, :]
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def grouped_matmul_gpu(x, slot_row, w, tile_expert, num_valid_tiles, *, block, interpret):
+def grouped_matmul_gpu(x, slot_row, w, tile_expert, num_valid_tiles, *, block, interpret,
+                       w_scale=None):
   """x [N, K], slot_row [T * tile_rows], w [E, K, M] -> [T * tile_rows, M] in x.dtype.
 
-  Output row s is x[slot_row[s]] @ w[tile_expert[s // tile_rows]]; rows of tiles
-  >= num_valid_tiles[0] are left unwritten.
+  Output row s is x[slot_row[s]] @ w[tile_expert[s // tile_rows]] (w scaled by w_scale
+  [E, S, M] when given); rows of tiles >= num_valid_tiles[0] are left unwritten.
   """
   (padded_rows,), (n, k) = slot_row.shape, x.shape
   num_experts, _, m = w.shape
@@ -68,12 +81,18 @@ def grouped_matmul_gpu(x, slot_row, w, tile_expert, num_valid_tiles, *, block, i
     if v % b:
       raise ValueError(f"GPU grouped_matmul needs {dim}={v} to be a multiple of {name}={b}; "
                        "pick a smaller power-of-two block (partial blocks are not masked).")
+  scale_rows = 1 if w_scale is None else w_scale.shape[1]
+  if (k // scale_rows) % bk:
+    raise ValueError(f"GPU grouped_matmul needs the scale block K // S = {k} // "
+                     f"{scale_rows} = {k // scale_rows} to be a multiple of block_k={bk} "
+                     "(a K chunk must not straddle two scale blocks).")
   assert padded_rows % tm == 0, (padded_rows, tm)
   num_k = k // bk
   splits = min(splits, num_k)
   grid = (padded_rows // tm, m // bm, splits)
 
-  kernel = functools.partial(_kernel, block_k=bk, num_k=num_k, num_splits=splits)
+  kernel = functools.partial(_kernel, block_k=bk, num_k=num_k, num_splits=splits,
+                             group_chunks=k // scale_rows // bk)
   in_specs = [
       pl.BlockSpec(tile_expert.shape, lambda t, j, s: (0,)),
       pl.BlockSpec((1,), lambda t, j, s: (0,)),
@@ -81,6 +100,10 @@ def grouped_matmul_gpu(x, slot_row, w, tile_expert, num_valid_tiles, *, block, i
       pl.BlockSpec((n, k), lambda t, j, s: (0, 0)),
       pl.BlockSpec((num_experts, k, bm), lambda t, j, s: (0, 0, j)),
   ]
+  operands = [tile_expert, num_valid_tiles, slot_row, x, w]
+  if w_scale is not None:
+    in_specs.append(pl.BlockSpec((num_experts, scale_rows, bm), lambda t, j, s: (0, 0, j)))
+    operands.append(w_scale)
   if splits == 1:
     out_shape = jax.ShapeDtypeStruct((padded_rows, m), x.dtype)
     out_spec = pl.BlockSpec((tm, bm), lambda t, j, s: (t, j))
@@ -97,7 +120,7 @@ def grouped_matmul_gpu(x, slot_row, w, tile_expert, num_valid_tiles, *, block, i
                                               num_stages=block.num_stages),
       interpret=interpret,
       name="grouped_matmul_gpu",
-  )(tile_expert, num_valid_tiles, slot_row, x, w)
+  )(*operands)
   if splits == 1:
     return out
   return out.sum(axis=0).astype(x.dtype)

@@ -4,7 +4,9 @@ Every expert that no row is routed to holds NaN weights, so a kernel that reads 
 unrouted expert (or gathers a row from a skipped tile) shows NaN in the output. The
 ragged_dot backend is exempt: jax's default ragged_dot lowering is a masked dot over all
 experts, so it gets finite weights everywhere. Rows with ids outside [0, E) must come out
-exactly 0; their x rows are NaN.
+exactly 0; their x rows are NaN. Quantized experts (1-byte w with w_scale [E, S, M])
+poison an unrouted expert's scales with NaN, and its values too where the format has NaN
+(fp8; int8 ones get -128, a value the quantizer never writes).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class Case:
   m: int = 64
   dtype: type = jnp.float32
   overrides: tuple = ()     # BlockConfig fields set on top of the default
+  values: type | None = None  # 1-byte w dtype of quantized experts, None: w in dtype
+  scale_rows: int = 1       # S of w_scale [E, S, M] (quantized experts only)
 
 
 CASES = {c.name: c for c in [
@@ -56,12 +60,26 @@ CASES = {c.name: c for c in [
     Case("tile32_split2_bf16", "random", 50, experts=4, k=48, m=32,
          overrides=(("tile_rows", 32), ("block_k", 16), ("num_splits", 2))),
 ]}
+QUANT_CASES = [
+    # Quantized experts: int8 per channel; fp8 in 16-row scale blocks, chunks of one block
+    # split two ways; e5m2 in 32-row blocks, two chunks per block.
+    Case("int8_channel_bf16", "random", 37, values=jnp.int8, dtype=jnp.bfloat16),
+    Case("fp8_block16_split2", "random", 21, k=64, values=jnp.float8_e4m3fn,
+         scale_rows=4, overrides=(("block_k", 16), ("num_splits", 2))),
+    Case("e5m2_block32_distinct_bf16", "distinct", 8, k=64, values=jnp.float8_e5m2,
+         scale_rows=2, dtype=jnp.bfloat16, overrides=(("block_k", 16),)),
+]
+CASES.update((c.name, c) for c in QUANT_CASES)
 # The TPU interpreter is slow: fewer cases, and blocks that are legal Mosaic tiles.
 TPU_CASES = ["random_invalid", "one_expert", "all_distinct_bf16", "all_invalid",
-             "tpu_blocks_bf16"]
+             "tpu_blocks_bf16", "fp8_block16_split2", "tpu_int8_block128_bf16"]
 CASES["tpu_blocks_bf16"] = Case("tpu_blocks_bf16", "random", 19, experts=4, k=256, m=256,
                                 dtype=jnp.bfloat16,
                                 overrides=(("block_k", 128), ("block_m", 128)))
+# One 128-row scale block per K step (fp8_block16_split2 runs whole K: four blocks a step).
+CASES["tpu_int8_block128_bf16"] = Case(
+    "tpu_int8_block128_bf16", "random", 19, experts=4, k=256, m=128, values=jnp.int8,
+    scale_rows=2, dtype=jnp.bfloat16, overrides=(("block_k", 128), ("block_m", 128)))
 
 
 def make_ids(case: Case, rng) -> np.ndarray:
@@ -80,8 +98,25 @@ def make_ids(case: Case, rng) -> np.ndarray:
   return ids.astype(np.int32)
 
 
+QMAX = {jnp.int8: 127.0, jnp.float8_e4m3fn: 448.0, jnp.float8_e5m2: 57344.0}
+
+
+def quantize(w, value_dtype, scale_rows):
+  """float32 [E, K, M] -> (values [E, K, M], w_scale [E, S, M] f32), absmax per block."""
+  e, k, m = w.shape
+  blocks = w.reshape(e, scale_rows, k // scale_rows, m)
+  scale = np.maximum(np.abs(blocks).max(axis=2), 1e-12) / QMAX[value_dtype]
+  q = blocks / scale[:, :, None, :]
+  if value_dtype == jnp.int8:
+    q = np.clip(np.round(q), -127, 127)
+  return q.reshape(e, k, m), scale.astype(np.float32)
+
+
 def make_inputs(case: Case, seed: int = 0, poison: bool = True):
-  """Fresh random x and w; invalid rows' x and (poison) unrouted experts' weights are NaN."""
+  """Fresh random x, w, ids and w_scale (None unless the case quantizes the experts).
+
+  Invalid rows' x and (poison) unrouted experts' weights, or scales, are NaN.
+  """
   rng = np.random.default_rng(seed)
   ids = make_ids(case, rng)
   valid = (ids >= 0) & (ids < case.experts)
@@ -89,13 +124,31 @@ def make_inputs(case: Case, seed: int = 0, poison: bool = True):
   x[~valid] = np.nan
   w = rng.standard_normal((case.experts, case.k, case.m)).astype(np.float32)
   w /= np.sqrt(case.k)
+  scale = None
+  if case.values is not None:
+    w, scale = quantize(w, case.values, case.scale_rows)
   for e in set(range(case.experts)) - set(ids[valid].tolist()) if poison else ():
-    w[e] = np.nan
-  return jnp.asarray(x, case.dtype), jnp.asarray(w, case.dtype), jnp.asarray(ids)
+    if scale is None:
+      w[e] = np.nan
+    else:
+      scale[e] = np.nan
+      w[e] = -128 if case.values == jnp.int8 else np.nan
+  x = jnp.asarray(x, case.dtype)
+  if scale is None:
+    return x, jnp.asarray(w, case.dtype), jnp.asarray(ids), None
+  w = jnp.asarray(w, jnp.float32).astype(case.values)
+  return x, w, jnp.asarray(ids), jnp.asarray(scale)
 
 
-def numpy_grouped_matmul(x, w, ids):
-  x, w, ids = np.asarray(x, np.float64), np.asarray(w, np.float64), np.asarray(ids)
+def numpy_grouped_matmul(x, w, ids, w_scale=None):
+  """float64; quantized experts are dequantized first."""
+  if w_scale is not None:
+    e, k, m = w.shape
+    s = np.asarray(w_scale, np.float64)
+    w = np.asarray(w.astype(jnp.float32), np.float64).reshape(e, s.shape[1], -1, m)
+    w = (w * s[:, :, None, :]).reshape(e, k, m)
+  x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+  w, ids = np.asarray(w, np.float64), np.asarray(ids)
   out = np.zeros((x.shape[0], w.shape[2]))
   for n, g in enumerate(ids):
     if 0 <= g < w.shape[0]:
@@ -116,8 +169,9 @@ def check(got, want, case, ids):
 @pytest.mark.parametrize("name", list(CASES))
 def test_reference_matches_numpy(name):
   case = CASES[name]
-  x, w, ids = make_inputs(case)
-  check(grouped_matmul_reference(x, w, ids), numpy_grouped_matmul(x, w, ids), case, ids)
+  x, w, ids, w_scale = make_inputs(case)
+  check(grouped_matmul_reference(x, w, ids, w_scale=w_scale),
+        numpy_grouped_matmul(x, w, ids, w_scale), case, ids)
 
 
 class GroupedMatmulTest:
@@ -127,7 +181,7 @@ class GroupedMatmulTest:
   interpret = False
   platform = "gpu"          # native runs need jax.default_backend() == platform
   poison = True             # unrouted experts' weights are NaN
-  cases = [c for c in CASES if c != "tpu_blocks_bf16"]
+  cases = [c for c in CASES if not c.startswith("tpu_")]
 
   @pytest.fixture(autouse=True)
   def _require_platform(self):
@@ -136,15 +190,15 @@ class GroupedMatmulTest:
 
   def block(self, case):
     cfg = default_block_config(case.rows, case.experts, case.k, case.m, self.backend,
-                               num_cores=132)
+                               num_cores=132, scale_rows=case.scale_rows)
     return dataclasses.replace(cfg, **dict(case.overrides))
 
   def test_matches_reference(self, name):
     case = CASES[name]
-    x, w, ids = make_inputs(case, seed=1, poison=self.poison)
+    x, w, ids, w_scale = make_inputs(case, seed=1, poison=self.poison)
     got = grouped_matmul(x, w, ids, backend=self.backend, block=self.block(case),
-                         interpret=self.interpret)
-    check(got, grouped_matmul_reference(x, w, ids), case, ids)
+                         interpret=self.interpret, w_scale=w_scale)
+    check(got, grouped_matmul_reference(x, w, ids, w_scale=w_scale), case, ids)
 
 
 def pytest_generate_tests(metafunc):
@@ -166,10 +220,10 @@ class TestGroupedMatmulTPU(GroupedMatmulTest):
   cases = TPU_CASES
 
   def block(self, case):
-    # Whole K and M in one block, unless the case sets legal Mosaic blocks itself.
+    # Whole K and M in one block, unless the case (tpu_*) sets legal Mosaic blocks itself.
     cfg = BlockConfig(tile_rows=16, block_m=case.m, block_k=case.k)
-    return dataclasses.replace(cfg, **{k: v for k, v in case.overrides
-                                       if k != "num_splits"})
+    overrides = case.overrides if case.name.startswith("tpu_") else ()
+    return dataclasses.replace(cfg, **dict(overrides))
 
 
 class TestGroupedMatmulTPUInterpret(TestGroupedMatmulTPU):
@@ -240,7 +294,7 @@ def test_num_tiles_bound_is_tight_enough(n, e, tm):
 
 def test_plan_is_shared_and_jittable():
   case = CASES["random_invalid"]
-  x, w, ids = make_inputs(case, seed=4)
+  x, w, ids, _ = make_inputs(case, seed=4)
   want = grouped_matmul_reference(x, w, ids)
   plan = jax.jit(plan_groups, static_argnums=(1, 2))(ids, case.experts, 16)
   assert isinstance(plan, GroupPlan)
@@ -258,7 +312,7 @@ def test_plan_is_shared_and_jittable():
 
 def test_default_config_gpu_kernel():
   case = CASES["random_invalid_bf16"]
-  x, w, ids = make_inputs(case, seed=5)
+  x, w, ids, _ = make_inputs(case, seed=5)
   check(grouped_matmul(x, w, ids, backend="gpu", interpret=True),
         grouped_matmul_reference(x, w, ids), case, ids)
 
@@ -275,7 +329,7 @@ def test_default_configs_fit_glm_shapes():
 
 def test_backend_dispatch(monkeypatch):
   case = CASES["random_invalid"]
-  x, w, ids = make_inputs(case, poison=False)
+  x, w, ids, _ = make_inputs(case, poison=False)
   want = grouped_matmul_reference(x, w, ids)
   monkeypatch.delenv("MTP_JAX_MOE_BACKEND", raising=False)
   if jax.default_backend() == "cpu":
@@ -298,7 +352,7 @@ def test_block_config_validates(kwargs):
 
 
 def test_bad_inputs_are_refused():
-  x, w, ids = make_inputs(CASES["random_invalid"])
+  x, w, ids, _ = make_inputs(CASES["random_invalid"])
   with pytest.raises(ValueError, match="K="):
     grouped_matmul_reference(x[:, :-1], w, ids)
   with pytest.raises(ValueError, match="dtypes"):
@@ -313,6 +367,50 @@ def test_bad_inputs_are_refused():
                    block=BlockConfig(block_k=16, block_m=64))
   with pytest.raises(TypeError):
     grouped_matmul(x, w, ids, backend="gpu", block=dict(tile_rows=16))
+
+
+def test_bad_quantized_experts_are_refused():
+  case = CASES["fp8_block16_split2"]                  # K=64, M=64, S=4, E=8
+  x, w, ids, w_scale = make_inputs(case, poison=False)
+  for args, kwargs, match in [
+      ((x, w, ids), {}, r"w is float8_e4m3fn \(quantized experts\): pass w_scale "
+                        r"\[E=8, S, M=64\] float32"),
+      ((x, w.astype(jnp.float32), ids), dict(w_scale=w_scale),
+       "w dtype float32 is not supported; expected one of int8, float8_e4m3fn"),
+      ((x, w, ids), dict(w_scale=w_scale[:, :, :32]), r"w_scale must be \[8, S, N=64\]"),
+      ((x, w, ids), dict(w_scale=w_scale[:4]), r"w_scale must be \[8, S, N=64\]"),
+      ((x, w, ids), dict(w_scale=jnp.ones((8, 3, 64))), "K=64 must be a multiple of the 3"),
+      ((x, w, ids), dict(w_scale=w_scale.astype(jnp.bfloat16)), "w_scale dtype bfloat16"),
+      ((x.astype(jnp.float16), w, ids), dict(w_scale=w_scale), "x dtype float16"),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      grouped_matmul_reference(*args, **kwargs)
+    with pytest.raises(ValueError, match=match):
+      grouped_matmul(*args, backend="gpu", interpret=True, **kwargs)
+  with pytest.raises(ValueError, match="straddle"):     # GPU chunks within scale blocks
+    grouped_matmul(x, w, ids, w_scale=w_scale, backend="gpu", interpret=True,
+                   block=BlockConfig(block_k=32, block_m=64))
+  x, ids = jnp.ones((3, 384), jnp.bfloat16), jnp.array([0, 1, 1], jnp.int32)
+  w, w_scale = jnp.ones((2, 384, 128), jnp.int8), jnp.ones((2, 4, 128))  # blocks of 96
+  with pytest.raises(ValueError, match="divide or be a multiple of the scale block"):
+    grouped_matmul(x, w, ids, w_scale=w_scale, backend="tpu", interpret=True,
+                   block=BlockConfig(block_k=128, block_m=128))
+
+
+@pytest.mark.parametrize("values,scale_rows", [(jnp.int8, 1), (jnp.float8_e4m3fn, 32)],
+                         ids=["int8_channel", "fp8_block128"])
+def test_gpu_kernel_lowers_quantized_experts(values, scale_rows):
+  """The Triton lowering of quantized experts (converts included) runs on any host."""
+  n, e, k, m = 8, 128, 4096, 2816
+  block = default_block_config(n, e, k, m, "gpu", scale_rows=scale_rows)
+  assert (k // scale_rows) % block.block_k == 0
+  fn = jax.jit(lambda x, w, ids, s: grouped_matmul(x, w, ids, w_scale=s, backend="gpu",
+                                                   block=block, interpret=False))
+  args = (jax.ShapeDtypeStruct((n, k), jnp.bfloat16), jax.ShapeDtypeStruct((e, k, m), values),
+          jax.ShapeDtypeStruct((n,), jnp.int32),
+          jax.ShapeDtypeStruct((e, scale_rows, m), jnp.float32))
+  text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "grouped_matmul_gpu" in text
 
 
 def test_bench_smoke(tmp_path, monkeypatch):

@@ -1,0 +1,114 @@
+"""Weight-only quantized matmul for NVIDIA GPUs: a Pallas (Triton backend) kernel.
+
+The public op and its semantics are documented in `pallas_kernels.quant_matmul`; this
+module holds only the GPU kernel and its wrapper.
+
+Grid (M block, N block, K split). One program streams its [K / num_splits, block_n] slab
+of 1-byte weights in [block_k, block_n] chunks, converts each chunk to x's dtype after
+the load (so HBM traffic stays one byte a weight) and accumulates dots in f32. block_k
+divides the scale block K // S, so a chunk lies in one scale block: with S > 1 each
+chunk's partial product is multiplied by its block's scale row before it is added; with
+S == 1 the scale multiplies the sum once at the end.
+
+Rows: a Triton dot needs at least 16 rows, and decode has M = 1..64. A program indexes
+x with row ids clamped to M - 1 and stores its result through the same ids, so rows past
+M recompute row M - 1 and write its own value to it again: no padded copy of x, and an
+output of exactly M rows that needs no slicing. At decode a batch-1 GEMV has only
+N / block_n programs; K splits fill the SMs, each writing an f32 partial sum of the M
+real rows, and the wrapper adds them (one small XLA reduction that also casts).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+
+def _kernel(x_ref, v_ref, s_ref, o_ref, *, block_m, block_k, group_chunks, num_k,
+            num_splits):
+  i, split = pl.program_id(0), pl.program_id(2)
+  m = x_ref.shape[0]
+  block_n = o_ref.shape[-1]
+  per_split = -(-num_k // num_splits)
+  begin = split * per_split
+  end = jnp.minimum(begin + per_split, num_k)
+  rows = jnp.minimum(i * block_m + jnp.arange(block_m, dtype=jnp.int32), m - 1)
+  precision = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
+  per_chunk_scale = s_ref.shape[0] > 1
+
+  def body(c, acc):
+    k0 = pl.multiple_of(c * block_k, block_k)
+    xb = x_ref[rows, pl.ds(k0, block_k)]
+    vb = v_ref[pl.ds(k0, block_k), :].astype(xb.dtype)    # 1 byte read, exact convert
+    part = lax.dot_general(xb, vb, (((1,), (0,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+    if per_chunk_scale:
+      part = part * s_ref[c // group_chunks, :][None, :]
+    return acc + part
+
+  acc = lax.fori_loop(begin, end, body, jnp.zeros((block_m, block_n), jnp.float32))
+  if not per_chunk_scale:
+    acc = acc * s_ref[0, :][None, :]
+  # Rows past M carry row M - 1's value: storing them again is harmless.
+  o_ref[rows, :] = acc.astype(o_ref.dtype)
+
+
+def check_blocks(k, n, s, block):
+  """ValueError naming the dimension when `block` cannot tile K, N with S scale rows."""
+  bk = k // s
+  bm, bn, chunk = block.block_m, block.block_n, block.block_k
+  for name, v in (("block_m", bm), ("block_n", bn), ("block_k", chunk)):
+    if v < 16 or v & (v - 1):
+      raise ValueError(f"GPU quant_matmul needs a power-of-two {name} >= 16 (Triton "
+                       f"tensor-core tiles), got {v}.")
+  if n % bn:
+    raise ValueError(f"GPU quant_matmul needs N={n} to be a multiple of block_n={bn}; "
+                     "pick a smaller power-of-two block (partial blocks are not masked).")
+  if bk % chunk:
+    raise ValueError(f"GPU quant_matmul needs the scale block K // S = {k} // {s} = {bk} "
+                     f"to be a multiple of block_k={chunk} (a K chunk must not straddle "
+                     "two scale blocks).")
+
+
+def quant_matmul_gpu(x, values, scale, *, block, interpret):
+  """x [M, K], values [K, N] 1-byte, scale [S, N] f32 -> [M, N] in x.dtype."""
+  (m, k), (s, n) = x.shape, scale.shape
+  check_blocks(k, n, s, block)
+  bm, bn, chunk = block.block_m, block.block_n, block.block_k
+  bk = k // s
+  num_k = k // chunk
+  splits = min(block.num_splits, num_k)
+  grid = (pl.cdiv(m, bm), n // bn, splits)
+  kernel = functools.partial(_kernel, block_m=bm, block_k=chunk, group_chunks=bk // chunk,
+                             num_k=num_k, num_splits=splits)
+  in_specs = [
+      pl.BlockSpec((m, k), lambda i, j, sp: (0, 0)),
+      pl.BlockSpec((k, bn), lambda i, j, sp: (0, j)),
+      pl.BlockSpec((s, bn), lambda i, j, sp: (0, j)),
+  ]
+  # The output block spans all M rows; each program stores its own rows by index.
+  if splits == 1:
+    out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
+    out_spec = pl.BlockSpec((m, bn), lambda i, j, sp: (0, j))
+  else:
+    out_shape = jax.ShapeDtypeStruct((splits, m, n), jnp.float32)
+    out_spec = pl.BlockSpec((None, m, bn), lambda i, j, sp: (sp, 0, j))
+  out = pl.pallas_call(
+      kernel,
+      grid=grid,
+      in_specs=in_specs,
+      out_specs=out_spec,
+      out_shape=out_shape,
+      compiler_params=pltriton.CompilerParams(num_warps=block.num_warps,
+                                              num_stages=block.num_stages),
+      interpret=interpret,
+      name="quant_matmul_gpu",
+  )(x, values, scale)
+  if splits == 1:
+    return out
+  return out.sum(axis=0).astype(x.dtype)
