@@ -1,7 +1,13 @@
-"""End-to-end decode benchmark on a 7-8 B dense shape (MiMo-7B dimensions, 3 MTP modules).
+"""End-to-end decode benchmark on a 7-8 B dense shape (MiMo-7B or Llama-2-7B dimensions,
+3 MTP modules).
 
-  PYTHONPATH=. python launch/bench_decode.py [--batches 1,8,32,64] [--ctxs 1024,4096]
+  PYTHONPATH=. python launch/bench_decode.py [--shape mimo-7b|llama2-7b]
+      [--batches 1,8,32,64] [--ctxs 1024,4096] [--weights bf16,int8,fp8,fp8-block]
       [--acceptance checkpoints/acceptance.json] [--tiny]
+
+`--weights` runs the same table for the model as built and for each quantized copy
+(`mtp_jax.quantize_model`), side by side in one process, against one copy-bandwidth
+measurement; the bytes limit counts the quantized weights' bytes (values and scales).
 
 Random bf16 weights arranged so that greedy decoding is a fixed permutation of the
 current token and every MTP module predicts it too (attention / MLP output projections
@@ -23,8 +29,9 @@ Per (batch B, context ctx), all in one run with the copy bandwidth measured besi
 - tokens/s: plain (B / step), oracle speculative measured (generated tokens / time in
   the engine loop with K = 3 and every draft accepted) and projected at the shipped
   model's acceptance per depth (B * (1 + sum_d a_d) / speculative step time).
-Bytes: weights counted once per step (embedding only for the gathered rows: negligible),
-KV = B * ctx * layers * 2 * kv_heads * head_dim * 2 bytes.
+Bytes: weights counted once per step as held (embedding only for the gathered rows:
+negligible; quantized weights with their scales), KV = B * ctx * layers * 2 * kv_heads *
+head_dim * 2 bytes.
 With $OUT set, writes bench_decode.json and bench_decode.md there.
 """
 
@@ -50,7 +57,7 @@ from flax import nnx  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_paged_attention import copy_bandwidth  # noqa: E402
 
-from mtp_jax.checkpoint import Model, abstract_model  # noqa: E402
+from mtp_jax.checkpoint import Model, abstract_model, quantize_model  # noqa: E402
 from mtp_jax.config import EngineConfig, ModelConfig, SpecConfig  # noqa: E402
 from mtp_jax.drafting import draft  # noqa: E402
 from mtp_jax.kv_cache import PageAllocator, PagedKV, make_layout  # noqa: E402
@@ -61,6 +68,11 @@ MIMO_7B = dict(layout="mimo", vocab_size=151680, hidden_size=4096, intermediate_
                num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, num_mtp_modules=3,
                attention_bias=True, rope_theta=640000.0, max_position_embeddings=32768,
                mtp_hidden_source="previous", dtype="bfloat16")
+# Llama-2-7B as gpt-fast runs it: 32 heads / 32 kv heads, no biases, vocabulary 32000
+# (the MTP modules are the same MiMo-style modules on top)
+LLAMA2_7B = dict(MIMO_7B, vocab_size=32000, num_kv_heads=32, attention_bias=False,
+                 rope_theta=10000.0, max_position_embeddings=4096)
+SHAPES = {"mimo-7b": MIMO_7B, "llama2-7b": LLAMA2_7B}
 TINY = dict(MIMO_7B, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
             num_heads=4, num_kv_heads=2, head_dim=16, dtype="float32")
 K = 3
@@ -112,7 +124,7 @@ def weight_bytes(model: Model, prefix) -> int:
     total = 0
     for path, var in model.params.flat_state():
         if tuple(path)[: len(prefix)] == prefix and tuple(path) != ("target", "embed"):
-            total += var.get_value().nbytes
+            total += sum(x.nbytes for x in jax.tree_util.tree_leaves(var.get_value()))
     return total
 
 
@@ -305,11 +317,15 @@ def main(argv=None):
     ap.add_argument("--acceptance", default="checkpoints/acceptance.json",
                     help="JSON with the shipped model's acceptance per depth (chain, K=3)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke run)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="mimo-7b")
+    ap.add_argument("--weights", default="bf16",
+                    help="comma list of bf16 (as built) and quantization modes "
+                         "(int8, fp8, fp8-block), each timed in this run")
     ap.add_argument("--mesh", help="tp=N,dp=M: shard the model (tensor parallel) and slots")
     ap.add_argument("--steps-only", action="store_true",
                     help="time only the plain and speculative steps (skip verify / draft)")
     args = ap.parse_args(argv)
-    cfg = ModelConfig(**(TINY if args.tiny else MIMO_7B))
+    cfg = ModelConfig(**(TINY if args.tiny else SHAPES[args.shape]))
     dtype = jnp.dtype(cfg.dtype)
     acceptance = None
     if os.path.exists(args.acceptance):
@@ -326,39 +342,48 @@ def main(argv=None):
     log(f"copy bandwidth {bw}")
     t0 = time.perf_counter()
     mesh = make_mesh(args.mesh)
-    model = oracle_model(cfg, dtype)
-    model = dataclasses.replace(model, params=shard_params(model.params, mesh))
-    jax.block_until_ready(model.params)
+    base = oracle_model(cfg, dtype)
     log(f"model {cfg.num_params / 1e9:.2f} B params built in {time.perf_counter() - t0:.1f}s")
-    tw = weight_bytes(model, ("target",))
-    mtp_w = weight_bytes(model, ("mtp",))
     head = cfg.hidden_size * cfg.vocab_size * dtype.itemsize
     kv_tok = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
     rows = []
-    for b in [int(x) for x in args.batches.split(",")]:
-        for row in bench_batch(model, b, [int(x) for x in args.ctxs.split(",")], args.steps,
-                               dtype, acceptance, mesh, args.steps_only):
-            ctx = row["ctx"]
-            plain_bytes = tw + b * ctx * kv_tok
-            draft_bytes = mtp_w + K * head + K * b * ctx * kv_tok / cfg.num_layers
-            row["plain_limit_ms"] = plain_bytes / best_bw * 1e3
-            row["plain_pct_of_limit"] = row["plain_limit_ms"] / row["none_step_ms"] * 100
-            row["draft_limit_ms"] = draft_bytes / best_bw * 1e3
-            if "verify4_ms" in row:
-                row["verify_ratio"] = row["verify4_ms"] / row["none_step_ms"]
-                row["draft_pct_of_limit"] = row["draft_limit_ms"] / row["draft_ms"] * 100
-            row["oracle_speedup"] = row["oracle_tokens_per_s"] / row["plain_tokens_per_s"]
-            if row["projected_tokens_per_s"]:
-                row["projected_speedup"] = row["projected_tokens_per_s"] / row["plain_tokens_per_s"]
-            rows.append(row)
-    head_md = ("| B | ctx | plain ms (limit, %) | verify(4) / plain | draft ms (limit, %) | "
-               "idle | plain tok/s | oracle spec tok/s (x) | projected tok/s (x) |\n"
-               "|---|---|---|---|---|---|---|---|---|\n")
+    for weights in args.weights.split(","):
+        model = base if weights in ("bf16", "f32", "none") else quantize_model(base, weights)
+        model = dataclasses.replace(model, params=shard_params(model.params, mesh))
+        jax.block_until_ready(model.params)
+        tw = weight_bytes(model, ("target",))
+        mtp_w = weight_bytes(model, ("mtp",))
+        head_w = head if model.config.tie_word_embeddings else weight_bytes(
+            model, ("target", "lm_head"))
+        log(f"weights {weights}: target {tw / 1e9:.2f} GB, MTP {mtp_w / 1e9:.2f} GB")
+        for b in [int(x) for x in args.batches.split(",")]:
+            for row in bench_batch(model, b, [int(x) for x in args.ctxs.split(",")],
+                                   args.steps, dtype, acceptance, mesh, args.steps_only):
+                ctx = row["ctx"]
+                plain_bytes = tw + b * ctx * kv_tok
+                draft_bytes = mtp_w + K * head_w + K * b * ctx * kv_tok / cfg.num_layers
+                row["weights"] = weights
+                row["plain_limit_ms"] = plain_bytes / best_bw * 1e3
+                row["plain_pct_of_limit"] = row["plain_limit_ms"] / row["none_step_ms"] * 100
+                row["draft_limit_ms"] = draft_bytes / best_bw * 1e3
+                if "verify4_ms" in row:
+                    row["verify_ratio"] = row["verify4_ms"] / row["none_step_ms"]
+                    row["draft_pct_of_limit"] = row["draft_limit_ms"] / row["draft_ms"] * 100
+                row["oracle_speedup"] = row["oracle_tokens_per_s"] / row["plain_tokens_per_s"]
+                if row["projected_tokens_per_s"]:
+                    row["projected_speedup"] = (row["projected_tokens_per_s"]
+                                                / row["plain_tokens_per_s"])
+                rows.append(row)
+        del model
+    head_md = ("| weights | B | ctx | plain ms (limit, %) | verify(4) / plain | "
+               "draft ms (limit, %) | idle | plain tok/s | oracle spec tok/s (x) | "
+               "projected tok/s (x) |\n|---|---|---|---|---|---|---|---|---|---|\n")
     def opt(r, fmt, *keys):
         return fmt.format(*[r[k] for k in keys]) if all(k in r for k in keys) else "n/a"
 
     md = head_md + "".join(
-        f"| {r['batch']} | {r['ctx']} | {r['none_step_ms']:.2f} ({r['plain_limit_ms']:.2f}, "
+        f"| {r['weights']} | {r['batch']} | {r['ctx']} | {r['none_step_ms']:.2f} "
+        f"({r['plain_limit_ms']:.2f}, "
         f"{r['plain_pct_of_limit']:.0f} %) | {opt(r, '{:.2f}', 'verify_ratio')} | "
         + opt(r, "{:.2f} ({:.2f}, {:.0f} %)", "draft_ms", "draft_limit_ms", "draft_pct_of_limit")
         + " | "
@@ -371,7 +396,7 @@ def main(argv=None):
     if out:
         meta = dict(device=dev.device_kind, jax=jax.__version__, copy_bandwidth=bw,
                     config=dataclasses.asdict(cfg), acceptance=acceptance,
-                    weights_bytes=tw, mtp_bytes=mtp_w, argv=sys.argv)
+                    argv=sys.argv)
         with open(os.path.join(out, "bench_decode.json"), "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1, default=str)
         with open(os.path.join(out, "bench_decode.md"), "w") as f:

@@ -588,6 +588,9 @@ class Model:
     tokenizer: Any = None  # tokenizers.Tokenizer
     eos_token_ids: tuple = ()
     path: Optional[str] = None
+    # fp8 KV cache scales per layer ((k [H], v [H]) floats), from kv_scales.json beside
+    # the weights or set with quant.calibrate_kv_scales; None: calibrated when needed
+    kv_scales: Optional[tuple] = None
 
     def module(self) -> MTPModel:
         return nnx.merge(self.graphdef, self.params)
@@ -743,7 +746,7 @@ def load_hf(path: str, *, dtype=None, config: Optional[ModelConfig] = None,
     if nonfinite:
         raise CheckpointError(f"{path}: tensors holding NaN or Inf: {sorted(nonfinite)}")
     return from_params(cfg, flat, dtype, eos_token_ids=_eos_ids(path), path=path,
-                       tokenizer=load_tokenizer(path))
+                       tokenizer=load_tokenizer(path), kv_scales=load_kv_scales(path, cfg))
 
 
 def _mtp_tensors_present(cfg: ModelConfig, found: dict) -> ModelConfig:
@@ -898,6 +901,7 @@ def save_hf(model: Model, path: str, *, dtype=None, max_shard_bytes: Optional[in
     hf.update(extra_config or {})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
+    save_kv_scales(model, path)
     if not max_shard_bytes:
         write_safetensors(os.path.join(path, "model.safetensors"), tensors)
         return
@@ -935,6 +939,40 @@ def _block_scales(tensors: dict, scales: dict) -> Optional[dict]:
         return {"quant_method": "mtp_jax", "fmt": "int8", "weight_block_size": [1, b]}
     return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
             "weight_block_size": [1, b]}
+
+
+KV_SCALES_FILE = "kv_scales.json"
+
+
+def save_kv_scales(model: Model, path: str) -> None:
+    if model.kv_scales is not None:
+        with open(os.path.join(path, KV_SCALES_FILE), "w") as f:
+            json.dump({"format": "per layer (target, then MTP): [k scales, v scales] per "
+                                 "kv head", "scales": [list(map(list, x))
+                                                       for x in model.kv_scales]}, f)
+
+
+def load_kv_scales(path: str, cfg: ModelConfig) -> Optional[tuple]:
+    """fp8 KV scales saved beside a model (CheckpointError if they do not fit it)."""
+    f = os.path.join(path, KV_SCALES_FILE)
+    if not os.path.exists(f):
+        return None
+    try:
+        with open(f) as fh:
+            raw = json.load(fh)["scales"]
+        scales = tuple((tuple(float(x) for x in k), tuple(float(x) for x in v))
+                       for k, v in raw)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{f}: unreadable: {type(e).__name__}: {e}") from None
+    want = cfg.num_layers + cfg.num_mtp_modules
+    heads = [cfg.heads_of(i)[1] for i in range(want)]
+    if len(scales) != want or any(len(k) != h or len(v) != h
+                                  for (k, v), h in zip(scales, heads)):
+        raise CheckpointError(f"{f}: {len(scales)} layers of scales, the model has {want} "
+                              f"layers with kv heads {heads}")
+    if not all(x > 0 and np.isfinite(x) for kv in scales for s in kv for x in s):
+        raise CheckpointError(f"{f}: scales must be positive and finite")
+    return scales
 
 
 def _eos_ids(path: str) -> tuple:
@@ -999,6 +1037,7 @@ def save_orbax(model: Model, path: str) -> None:
                    "quantized": quantized}, f)
     if model.tokenizer is not None:
         model.tokenizer.save(os.path.join(path, "tokenizer.json"))
+    save_kv_scales(model, path)
 
 
 def load_orbax(path: str, *, dtype=None, shardings: Optional[Callable] = None,
@@ -1059,7 +1098,7 @@ def load_orbax(path: str, *, dtype=None, shardings: Optional[Callable] = None,
         arr = restored[key]
         flat[tuple(p)] = arr if arr.dtype == pdt else arr.astype(pdt)
     model = from_params(cfg, flat, dtype, eos_token_ids=_eos_ids(path), path=path,
-                        tokenizer=load_tokenizer(path))
+                        tokenizer=load_tokenizer(path), kv_scales=load_kv_scales(path, cfg))
     return quantize_model(model, quantize) if quantize else model
 
 

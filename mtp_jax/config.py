@@ -41,6 +41,7 @@ MOE_LAYOUTS = ("deepseek_v3", "glm4_moe", "step3p5", "mimo_v2_flash")
 ROUTERS = ("sigmoid", "softmax")
 METHODS = ("none", "eagle", "per_step", "window", "chain")
 AUTO = "auto"  # num_speculative_tokens: adaptive speculation
+KV_DTYPES = (None, "fp8")  # EngineConfig.kv_dtype
 
 
 class ConfigError(ValueError):
@@ -625,8 +626,12 @@ class EngineConfig:
     prefill_chunk: int = 256  # largest prefill chunk; smaller chunks are powers of two
     max_stop_ids: int = 8
     attention_backend: Optional[str] = None  # None: by jax.default_backend()
+    kv_dtype: Optional[str] = None  # None: the model's dtype; "fp8": float8_e4m3fn pages
 
     def __post_init__(self):
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"kv_dtype={self.kv_dtype!r} is not supported (None for the "
+                              "model's dtype, or 'fp8')")
         if self.max_batch < 1 or self.max_model_len < 2 or self.page_size < 1:
             raise ConfigError("max_batch >= 1, max_model_len >= 2, page_size >= 1 required")
         if self.prefill_chunk & (self.prefill_chunk - 1) or self.prefill_chunk < 8:

@@ -28,6 +28,7 @@ from . import compile_cache
 from .adaptive import KController
 from .config import ConfigError, EngineConfig, SamplingParams, SpecConfig
 from .kv_cache import PageAllocator, check_kernels, make_layout
+from .quant import calibrate_kv_scales
 from .sampling import split_seed
 from .sharding import check_mesh, shard_params, state_shardings
 from .step import (FINISH_ERROR, FINISH_LENGTH, FINISH_NONE, FINISH_STOP, Static, init_state,
@@ -96,6 +97,11 @@ class Engine:
         spec = spec.resolve(model.config)  # "auto" -> adaptive up to the module count
         compile_cache.enable()  # warm starts; $MTP_JAX_COMPILE_CACHE=off disables
         eng = dataclasses.replace(config or EngineConfig(), **overrides)
+        scales = None
+        if eng.kv_dtype == "fp8" and model.config.mla is None:
+            if model.kv_scales is None:  # calibrated once per model, kept with it
+                model.kv_scales = calibrate_kv_scales(model)
+            scales = model.kv_scales
         if mesh is not None:
             check_mesh(model.config, mesh)
             if eng.max_batch % mesh.shape["dp"]:
@@ -111,7 +117,8 @@ class Engine:
         n_mtp = 0 if k == 0 else (1 if spec.method == "eagle" else k)
         if spec.method in ("window", "chain", "per_step"):
             n_mtp = k
-        self.layout = make_layout(model.config, eng, k, model.dtype, mtp_layers=n_mtp)
+        self.layout = make_layout(model.config, eng, k, model.dtype, mtp_layers=n_mtp,
+                                  scales=scales)
         check_kernels(self.layout, eng, model.config)
         self.static = Static(model.config, spec, eng, self.layout, mesh)
         if mesh is None:

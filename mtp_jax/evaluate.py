@@ -465,6 +465,7 @@ def evaluate(args, log) -> dict:
                          "max_tokens": args.max_tokens, "max_batch": args.max_batch,
                          "max_model_len": max_len, "dataset": args.dataset,
                          "repeat": args.repeat, "weights": mode_of(model.params),
+                         "kv_dtype": args.kv_dtype,
                          "num_prompts": len(prompts),
                          "skipped": num_skipped,
                          "temperature": args.temperature, "seed": args.seed},
@@ -479,7 +480,8 @@ def evaluate(args, log) -> dict:
 
     requests = [Request(i, p, sp) for i, (p, sp) in enumerate(prompts)]
     eng_cfg = EngineConfig(max_batch=args.max_batch, max_model_len=max_len,
-                           prefill_chunk=min(256, max(16, 1 << (max_len - 1).bit_length())))
+                           prefill_chunk=min(256, max(16, 1 << (max_len - 1).bit_length())),
+                           kv_dtype=args.kv_dtype)
     greedy = all(sp.temperature == 0 for _, sp in prompts)
     report["methods"] = run_methods(model, requests, ids, args.methods, args.ks, eng_cfg,
                                     greedy, log, args.repeat)

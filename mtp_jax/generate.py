@@ -267,6 +267,10 @@ def add_quantize_option(p) -> None:
                    help="quantize the weights as they load: int8 or fp8 per output channel, "
                         "fp8-block (one scale per 128 input rows); a checkpoint published "
                         "quantized (FP8) stays so on GPU / TPU without this")
+    p.add_argument("--kv-dtype", choices=["fp8"],
+                   help="store the KV cache in fp8 (float8_e4m3fn) with per-kv-head scales "
+                        "(the model's kv_scales.json, else calibrated at start); default: "
+                        "the model's dtype")
 
 
 def load_model(model_dir: Path, mesh=None, quantize=None):
@@ -311,7 +315,8 @@ def make_engine(args):
         return model_dir, model, Engine(model, SpecConfig(method, num_speculative_tokens=k),
                                         EngineConfig(max_batch=args.max_batch,
                                                      max_model_len=max_len,
-                                                     prefill_chunk=chunk), mesh=mesh)
+                                                     prefill_chunk=chunk,
+                                                     kv_dtype=args.kv_dtype), mesh=mesh)
     except (ConfigError, ValueError) as e:
         raise Fatal(str(e)) from None
 
@@ -430,7 +435,9 @@ def main(argv=None) -> int:
                                                     frozenset(reported))
         k = f"auto (0..{engine.spec.k})" if engine.spec.adaptive else engine.spec.k
         held = mode_of(model.params)
-        weights = f" ({held} weights)" if held else ""
+        weights = ", ".join(([f"{held} weights"] if held else [])
+                            + ([f"{args.kv_dtype} KV"] if args.kv_dtype else []))
+        weights = f" ({weights})" if weights else ""
         print(f"{engine.spec.method} K={k} on {model_dir}{weights}: {len(requests)} "
               f"requests, {bad} lines in error, {skipped} skipped (already in the output)",
               file=sys.stderr)

@@ -40,6 +40,7 @@ from pallas_kernels.paged_attention import paged_attention
 
 from .config import ConfigError, EngineConfig, ModelConfig
 from .model import cache_entry
+from .quant import FP8_KV_DTYPE
 from .sharding import P, batch_axis, kv_heads_axis, shard_kernel
 
 
@@ -61,6 +62,9 @@ class KVLayout:
     layer_dims: tuple  # (kv heads, key dims, value dims) per layer; value dims 0 if latent
     dtype: str
     latent: bool = False  # MLA: one cached row per token, keys and values in one
+    # fp8 pages: per layer (k scales [kv heads], v scales [kv heads]); the stored value
+    # times its head's scale is the key / value (quant.calibrate_kv_scales)
+    scales: Optional[tuple] = None
 
     @property
     def arrays_per_layer(self) -> int:
@@ -101,13 +105,25 @@ def page_bytes(layer_dims, members, page_size: int, dtype) -> int:
 
 
 def make_layout(cfg: ModelConfig, eng: EngineConfig, k: int, dtype, *,
-                mtp_layers: Optional[int] = None) -> KVLayout:
+                mtp_layers: Optional[int] = None, scales: Optional[tuple] = None) -> KVLayout:
     """Groups, pool sizes and table width for a model and engine config.
 
     Pool sizes: `eng.num_pages` per group if set; else `eng.kv_memory_gb` split across
-    layers; else enough pages for every slot to hold `max_model_len` tokens.
+    layers (fp8 pages: twice as many in the same memory); else enough pages for every slot
+    to hold `max_model_len` tokens. `dtype`: the model's; `eng.kv_dtype` "fp8" stores
+    float8_e4m3fn pages instead, with `scales` per layer (required then).
     """
     n_mtp = cfg.num_mtp_modules if mtp_layers is None else mtp_layers
+    if eng.kv_dtype == "fp8":
+        if cfg.mla is not None:
+            raise ConfigError("kv_dtype='fp8' is implemented for GQA caches; a latent (MLA) "
+                              "cache is stored in the model's dtype (leave kv_dtype unset)")
+        if scales is None:
+            raise ValueError("an fp8 KV layout needs per-layer scales")
+        dtype = FP8_KV_DTYPE
+        scales = tuple(scales[: cfg.num_layers + n_mtp])
+    else:
+        scales = None
     windows = list(cfg.sliding_windows) + list(cfg.mtp_sliding_windows[:n_mtp])
     kinds = sorted({w for w in windows if w is not None})
     kind_index = {None: 0, **{w: i + 1 for i, w in enumerate(kinds)}}
@@ -135,7 +151,8 @@ def make_layout(cfg: ModelConfig, eng: EngineConfig, k: int, dtype, *,
         groups.append(KVGroup(window=w, num_pages=n + 1, ring_pages=ring))
     return KVLayout(page_size=ps, width=width, groups=tuple(groups),
                     layer_group=tuple(kind_index[w] for w in windows),
-                    layer_dims=layer_dims, dtype=jnp.dtype(dtype).name, latent=latent)
+                    layer_dims=layer_dims, dtype=jnp.dtype(dtype).name, latent=latent,
+                    scales=scales)
 
 
 def check_kernels(layout: KVLayout, eng: EngineConfig, cfg: ModelConfig) -> None:
@@ -223,30 +240,36 @@ class PagedKV:
         rows = block_tables[0].shape[0]
         self.dp = batch_axis(mesh, rows) if batch_sharded else None
 
-    def _write(self, pages, k, v, slots):
+    def _scales(self, layer):
+        """(k scale [H], v scale [H]) f32 of an fp8 layer, else ()."""
+        if self.layout.scales is None:
+            return ()
+        return tuple(jnp.asarray(s, jnp.float32) for s in self.layout.scales[layer])
+
+    def _write(self, pages, k, v, slots, scales):
         dp, tp = self.dp, kv_heads_axis(self.mesh, pages[0].shape[0])
         new = (k,) if v is None else (k, v)  # a latent cache is one array
+        n = len(new)
 
         def write(*args):
-            n = len(args) // 2
-            pages, rows, slots = args[:n], args[n:2 * n], args[-1]
+            pages, rows, slots = args[:n], args[n:2 * n], args[2 * n]
+            scale = args[2 * n + 1:] or (None,) * n
             if dp is not None:  # every dp replica of the pages takes every slot's rows
                 rows = tuple(jax.lax.all_gather(x, dp, axis=0, tiled=True) for x in rows)
                 slots = jax.lax.all_gather(slots, dp, axis=0, tiled=True)
-            return tuple(write_rows(p, x, slots) for p, x in zip(pages, rows))
+            return tuple(write_rows(p, x, slots, scale=s) for p, x, s in zip(pages, rows, scale))
 
         page = P(tp, None, None, None)
         row = P(dp, None, tp, None)
-        n = len(new)
-        fn = shard_kernel(write, self.mesh, (page,) * n + (row,) * n + (P(dp, None),),
-                          (page,) * n)
+        fn = shard_kernel(write, self.mesh, (page,) * n + (row,) * n + (P(dp, None),)
+                          + (P(tp),) * len(scales), (page,) * n)
         # Non-finite K/V never enter the cache: a page outlives its request, and a stale
         # NaN seen by a padding row would reach real rows as 0 * NaN. The request that
         # produced it is stopped by the NaN checks on its own hiddens / logits.
         new = tuple(jnp.where(jnp.isfinite(x), x, jnp.zeros_like(x)) for x in new)
-        return tuple(fn(*pages, *new, slots))
+        return tuple(fn(*pages, *new, slots, *scales))
 
-    def _attend(self, q, pages, table, kv_lens, window, sm_scale, v_dim, sinks):
+    def _attend(self, q, pages, table, kv_lens, window, sm_scale, v_dim, sinks, scales):
         dp, tp = self.dp, kv_heads_axis(self.mesh, pages[0].shape[0])
         if self.layout.latent:
             # One latent row per token serves every head: the pages are replicated over
@@ -262,14 +285,18 @@ class PagedKV:
                                                 P(dp)), rows)
             return fn(q, pages[0], table, kv_lens)
 
-        def attn(q, kp, vp, table, kv_lens, *sinks):
+        has_sinks = sinks is not None
+
+        def attn(q, kp, vp, table, kv_lens, *extra):
+            sink = extra[0] if has_sinks else None
+            k_scale, v_scale = extra[has_sinks:] or (None, None)
             return paged_attention(q, kp, vp, table, kv_lens, sliding_window=window,
-                                   sm_scale=sm_scale, sinks=sinks[0] if sinks else None,
-                                   backend=self.backend)
+                                   sm_scale=sm_scale, sinks=sink, k_scale=k_scale,
+                                   v_scale=v_scale, backend=self.backend)
 
         page = P(tp, None, None, None)
         rows = P(dp, None, tp, None)
-        extra = () if sinks is None else (sinks,)
+        extra = (() if sinks is None else (sinks,)) + tuple(scales)
         fn = shard_kernel(attn, self.mesh, (rows, page, page, P(dp, None), P(dp))
                           + (P(tp),) * len(extra), rows)
         return fn(q, *pages, table, kv_lens, *extra)
@@ -282,10 +309,11 @@ class PagedKV:
             g = self.layout.layer_group[layer]
             if (v is None) != self.layout.latent:
                 raise ValueError("latent attention needs a latent KV layout, and only it")
-            pages = self._write(self.caches[layer], k, v, slots[g])
+            scales = self._scales(layer)
+            pages = self._write(self.caches[layer], k, v, slots[g], scales)
             self.caches[layer] = pages
             return self._attend(q, pages, self.block_tables[g], kv_lens, window, sm_scale,
-                                v_dim, sinks)
+                                v_dim, sinks, scales)
 
         return attend
 

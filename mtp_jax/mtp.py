@@ -97,15 +97,17 @@ def init_model(cfg: ModelConfig, *, seed: int = 0, dtype=jnp.float32) -> MTPMode
     return MTPModel(cfg, dtype=dtype, rngs=nnx.Rngs(params=seed))
 
 
-def forward_train(model: MTPModel, tokens, num_modules=None):
+def forward_train(model: MTPModel, tokens, num_modules=None, attend_for=None):
     """Full-sequence forward for training and tests (dense causal attention).
 
     tokens [b, T]. Returns (target logits [b, T, v], list of module logits): module k
     (0-based) at anchor i consumes t_{i+k+1} and predicts t_{i+k+2}, over anchors
     0..T-k-2, DeepSeek style (module k-1's hidden over the same anchors for `previous`).
+    attend_for(positions) -> attend backend (default `model.causal_attend`).
     """
     from .model import causal_attend
 
+    causal_attend = attend_for or causal_attend
     cfg = model.cfg
     b, T = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(T), (b, T))

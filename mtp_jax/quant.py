@@ -28,7 +28,6 @@ channel: out * scale, exact) or per contraction block (block scales: the Pallas 
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import flax.struct
@@ -44,9 +43,13 @@ FP8_MAX = 448.0
 INT8_MAX = 127.0
 BLOCK = 128  # contraction rows per scale in fp8-block mode (DeepSeek's block)
 BACKEND_ENV_VAR = "MTP_JAX_QMATMUL_BACKEND"
-# Rows (tokens) up to which a block-scaled product runs in the Pallas kernel; above it
-# (prefill) the dequantized weight and one dense matmul cost less than per-block partials.
+# Rows (tokens) up to which a product runs in the Pallas kernel on GPU / TPU. Block
+# scales: up to 64 (XLA's per-block partials ran 3-5x slower at decode on an H100; above
+# it, prefill, the dequantized weight and one dense matmul cost less). Per-channel scales:
+# up to 8 (at one row the kernel took 0.6-0.8x XLA's time, whose int8 dot reached only
+# 32-56 % of the copy bandwidth; at 16 rows they were level); launch/bench_quant_matmul.py.
 KERNEL_MAX_ROWS = 64
+PER_CHANNEL_KERNEL_MAX_ROWS = 8
 
 
 class QuantizationError(ConfigError):
@@ -272,7 +275,7 @@ def qeinsum(spec: str, x, w, *, preferred_element_type=None):
     contract = [a for a, c in enumerate(ws) if c not in out]
     per_channel = all(w.scale.shape[a] == 1 for a in contract)
     mat = _as_matrix(xs, ws, out, x.shape, w, contract)
-    if mat is not None and _use_kernel(mat[0], per_channel):
+    if mat is not None and _use_kernel(mat, w.scale.size // mat[2], per_channel):
         from pallas_kernels.quant_matmul import quant_matmul
 
         m, k, n = mat
@@ -308,24 +311,104 @@ def _as_matrix(xs, ws, out, x_shape, w: QArray, contract):
     return (math.prod(x_shape[: len(x_shape) - c]), math.prod(sizes), math.prod(w.shape[c:]))
 
 
-def _use_kernel(rows: int, per_channel: bool) -> bool:
-    """Whether the Pallas kernel computes this product: decode sizes, a GPU / TPU backend
-    (or $MTP_JAX_QMATMUL_BACKEND naming one), one device (XLA cannot partition a Pallas
-    call: under a mesh the XLA path runs), and block scales unless the backend is named
-    explicitly (per-channel scales are applied after XLA's own dot, which converts the
-    1-byte weights as it reads them)."""
+def _use_kernel(mkn: tuple, s: int, per_channel: bool) -> bool:
+    """Whether the Pallas kernel computes x [M, K] @ w [K, N] (S scale rows): a GPU / TPU
+    backend (or $MTP_JAX_QMATMUL_BACKEND naming one; `reference` never), decode sizes
+    (KERNEL_MAX_ROWS, PER_CHANNEL_KERNEL_MAX_ROWS), shapes its blocks tile, one device
+    (XLA cannot partition a Pallas call: under a mesh the XLA path runs)."""
     from pallas_kernels import resolve_backend
+    from pallas_kernels.quant_matmul import fits
 
     from .sharding import active_mesh
 
-    named = os.environ.get(BACKEND_ENV_VAR)
     backend = resolve_backend(None, BACKEND_ENV_VAR, "quantized-matmul")
-    if backend == "reference" or rows > KERNEL_MAX_ROWS:
+    limit = PER_CHANNEL_KERNEL_MAX_ROWS if per_channel else KERNEL_MAX_ROWS
+    m, k, n = mkn
+    if backend == "reference" or m > limit or not fits(m, k, n, s, backend):
         return False
     mesh = active_mesh()
-    if mesh is not None and mesh.devices.size > 1:
-        return False
-    return bool(named) or not per_channel
+    return mesh is None or mesh.devices.size == 1
+
+
+# ------------------------------------------------------------------ fp8 KV scales
+FP8_KV_DTYPE = "float8_e4m3fn"
+KV_MARGIN = 2.0  # headroom over the calibration maximum before values saturate at 448
+# What `calibrate_kv_scales` runs when the caller gives nothing: code and prose, so the
+# keys and values see the kinds of tokens a job is likely to hold.
+CALIBRATION_TEXT = """\
+import numpy as np
+
+
+def moving_average(values, window=3):
+    \"\"\"Mean of each run of `window` consecutive values.\"\"\"
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    out = []
+    for i in range(len(values) - window + 1):
+        out.append(sum(values[i:i + window]) / window)
+    return np.asarray(out, dtype=np.float32)
+
+
+class Counter(dict):
+    def add(self, key, n=1):
+        self[key] = self.get(key, 0) + n
+        return self[key]
+
+
+The engine reads every key and value of the cache at each step, so the cache's bytes set
+the speed of decoding at long contexts. Storing them in eight bits halves those bytes;
+each head keeps one scale for its keys and one for its values, chosen once from text
+like this and then fixed, so every request sees the same numbers.
+"""
+
+
+def calibrate_kv_scales(model, token_rows=None, margin: float = KV_MARGIN) -> tuple:
+    """Per cache layer (target layers, then MTP modules): (k scales [H], v scales [H]) for
+    an fp8 KV cache, from the largest |key| / |value| each kv head produces over
+    `token_rows` ([b, T] token ids; default CALIBRATION_TEXT through the tokenizer, or
+    random ids without one) times `margin`, over fp8's largest value 448. A token whose
+    keys exceed that later is saturated (clipped), not turned into Inf."""
+    from flax import nnx
+
+    from .model import causal_attend
+    from .mtp import forward_train
+
+    cfg = model.config
+    if token_rows is None:
+        if model.tokenizer is not None:
+            ids = model.tokenizer.encode(CALIBRATION_TEXT).ids
+        else:
+            ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 512).tolist()
+        token_rows = [ids[: min(len(ids), cfg.max_position_embeddings)]]
+    tokens = jnp.asarray(token_rows, jnp.int32)
+
+    @jax.jit
+    def amax(params, tokens):
+        seen = {}
+
+        def recording(positions):
+            inner = causal_attend(positions)
+
+            def attend(layer, q, k, v, window, *, sm_scale=None, v_dim=None, sinks=None):
+                vals = k[..., :v_dim] if v is None else v
+                got = tuple(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(0, 1, 3))
+                            for x in (k, vals))
+                old = seen.get(layer)
+                seen[layer] = got if old is None else tuple(map(jnp.maximum, old, got))
+                return inner(layer, q, k, v, window, sm_scale=sm_scale, v_dim=v_dim,
+                             sinks=sinks)
+            return attend
+
+        forward_train(nnx.merge(model.graphdef, params), tokens, attend_for=recording)
+        return seen
+
+    seen = jax.device_get(amax(model.params, tokens))
+
+    def scales(a):
+        a = np.asarray(a, np.float64) * margin / FP8_MAX
+        return tuple(float(x) if x > 0 and np.isfinite(x) else 1.0 for x in a)
+
+    return tuple((scales(seen[i][0]), scales(seen[i][1])) for i in sorted(seen))
 
 
 # ---------------------------------------------------------------- sharding helpers
@@ -356,4 +439,5 @@ def spec_like(w, spec, mesh=None):
 
 __all__ = ["QArray", "MODES", "QuantizationError", "quantize", "quantize_module",
            "quantize_params", "quantize_array", "quant_axes", "qeinsum", "compress_scale", "mode_of", "check_mode",
-           "check_backend", "is_quantized", "value", "spec_like", "take_rows", "expand_scale"]
+           "check_backend", "is_quantized", "value", "spec_like", "take_rows", "expand_scale",
+           "calibrate_kv_scales", "FP8_KV_DTYPE"]
