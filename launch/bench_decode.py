@@ -61,6 +61,7 @@ from mtp_jax.checkpoint import Model, abstract_model, quantize_model  # noqa: E4
 from mtp_jax.config import EngineConfig, ModelConfig, SpecConfig  # noqa: E402
 from mtp_jax.drafting import draft  # noqa: E402
 from mtp_jax.kv_cache import PageAllocator, PagedKV, make_layout  # noqa: E402
+from mtp_jax.quant import calibrate_kv_scales  # noqa: E402
 from mtp_jax.sharding import make_mesh, shard_params, state_shardings, use_mesh  # noqa: E402
 from mtp_jax.step import Static, init_state, programs  # noqa: E402
 
@@ -164,11 +165,12 @@ def timed(fn, reps=3):
 def bench_programs(model, eng: EngineConfig, dtype, mesh=None, k=K,
                    methods=("none", "chain")) -> dict:
     """{method: program} (speculative ones with k tokens): the engine's compiled programs
-    for this model and config."""
+    for this model and config (fp8 KV: with the model's calibrated scales)."""
     progs = {}
     for method in methods:
         spec = SpecConfig(method=method, num_speculative_tokens=k)
-        layout = make_layout(model.config, eng, spec.k, dtype, mtp_layers=spec.k)
+        layout = make_layout(model.config, eng, spec.k, dtype, mtp_layers=spec.k,
+                             scales=model.kv_scales)
         static = Static(model.config, spec, eng, layout, mesh)
         if mesh is None:
             progs[method] = programs(static, model.graphdef)
@@ -241,10 +243,12 @@ def draft_loop(model, layout, b, dtype, mesh=None, spread=False, k=K):
     return f
 
 
-def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=False):
+def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=False,
+                kv_dtype=None):
     cfg = model.config
     max_len = max(ctxs) + steps * (K + 1) * 4 + 64
-    eng = EngineConfig(max_batch=b, max_model_len=max_len, page_size=16, prefill_chunk=16)
+    eng = EngineConfig(max_batch=b, max_model_len=max_len, page_size=16, prefill_chunk=16,
+                       kv_dtype=kv_dtype)
     out = []
     progs = bench_programs(model, eng, dtype, mesh)
     layout = progs["chain"].static.layout
@@ -318,6 +322,8 @@ def main(argv=None):
                     help="JSON with the shipped model's acceptance per depth (chain, K=3)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke run)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="mimo-7b")
+    ap.add_argument("--kv-dtype", choices=["fp8"], help="fp8 KV pages (scales calibrated on "
+                                                        "the oracle model)")
     ap.add_argument("--weights", default="bf16",
                     help="comma list of bf16 (as built) and quantization modes "
                          "(int8, fp8, fp8-block), each timed in this run")
@@ -345,7 +351,11 @@ def main(argv=None):
     base = oracle_model(cfg, dtype)
     log(f"model {cfg.num_params / 1e9:.2f} B params built in {time.perf_counter() - t0:.1f}s")
     head = cfg.hidden_size * cfg.vocab_size * dtype.itemsize
-    kv_tok = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    kv_bytes = 1 if args.kv_dtype == "fp8" else dtype.itemsize
+    kv_tok = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_bytes
+    if args.kv_dtype == "fp8":
+        ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 256)).tolist()
+        base.kv_scales = calibrate_kv_scales(base, ids)
     rows = []
     for weights in args.weights.split(","):
         model = base if weights in ("bf16", "f32", "none") else quantize_model(base, weights)
@@ -358,8 +368,10 @@ def main(argv=None):
         log(f"weights {weights}: target {tw / 1e9:.2f} GB, MTP {mtp_w / 1e9:.2f} GB")
         for b in [int(x) for x in args.batches.split(",")]:
             for row in bench_batch(model, b, [int(x) for x in args.ctxs.split(",")],
-                                   args.steps, dtype, acceptance, mesh, args.steps_only):
+                                   args.steps, dtype, acceptance, mesh, args.steps_only,
+                                   args.kv_dtype):
                 ctx = row["ctx"]
+                row["kv_dtype"] = args.kv_dtype or str(dtype)
                 plain_bytes = tw + b * ctx * kv_tok
                 draft_bytes = mtp_w + K * head_w + K * b * ctx * kv_tok / cfg.num_layers
                 row["weights"] = weights
@@ -375,14 +387,15 @@ def main(argv=None):
                                                 / row["plain_tokens_per_s"])
                 rows.append(row)
         del model
-    head_md = ("| weights | B | ctx | plain ms (limit, %) | verify(4) / plain | "
+    head_md = ("| weights | KV | B | ctx | plain ms (limit, %) | verify(4) / plain | "
                "draft ms (limit, %) | idle | plain tok/s | oracle spec tok/s (x) | "
-               "projected tok/s (x) |\n|---|---|---|---|---|---|---|---|---|---|\n")
+               "projected tok/s (x) |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
     def opt(r, fmt, *keys):
         return fmt.format(*[r[k] for k in keys]) if all(k in r for k in keys) else "n/a"
 
     md = head_md + "".join(
-        f"| {r['weights']} | {r['batch']} | {r['ctx']} | {r['none_step_ms']:.2f} "
+        f"| {r['weights']} | {r['kv_dtype']} | {r['batch']} | {r['ctx']} | "
+        f"{r['none_step_ms']:.2f} "
         f"({r['plain_limit_ms']:.2f}, "
         f"{r['plain_pct_of_limit']:.0f} %) | {opt(r, '{:.2f}', 'verify_ratio')} | "
         + opt(r, "{:.2f} ({:.2f}, {:.0f} %)", "draft_ms", "draft_limit_ms", "draft_pct_of_limit")
