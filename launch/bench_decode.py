@@ -71,7 +71,7 @@ MIMO_7B = dict(layout="mimo", vocab_size=151680, hidden_size=4096, intermediate_
                mtp_hidden_source="previous", dtype="bfloat16")
 # Llama-2-7B as gpt-fast runs it: 32 heads / 32 kv heads, no biases, vocabulary 32000
 # (the MTP modules are the same MiMo-style modules on top)
-LLAMA2_7B = dict(MIMO_7B, vocab_size=32000, num_kv_heads=32, attention_bias=False,
+LLAMA2_7B = dict(MIMO_7B, vocab_size=32000, num_layers=32, num_kv_heads=32, attention_bias=False,
                  rope_theta=10000.0, max_position_embeddings=4096)
 SHAPES = {"mimo-7b": MIMO_7B, "llama2-7b": LLAMA2_7B}
 TINY = dict(MIMO_7B, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
