@@ -201,17 +201,23 @@ def scaled(fn):
   return lambda q, k, v, t, l, ks, vs: fn(q, k, v, t, l, k_scale=ks, v_scale=vs)
 
 
-def sweep(results, reps, key):
-  """Time a few block configs on the target shapes (prints; the defaults come from here)."""
+def sweep(results, reps, key, fp8=False):
+  """Time a few block configs on the target shapes (prints; the defaults come from here).
+  fp8: the pages in float8_e4m3fn (bytes 1 a value), a grid with larger blocks too."""
   def run(batch, ctx, q_len, cfg):
     args = make_inputs(batch, ctx, q_len, key)
+    fn = ours(cfg)
+    if fp8:
+      q, k, v, tables, kv_lens = args
+      k8, v8, k_scale, v_scale = quantize_kv(k, v)
+      args, fn = (q, k8, v8, tables, kv_lens, k_scale, v_scale), scaled(fn)
     n = iters(batch, ctx)
     try:
-      _, best, med = time_per_call(ours(cfg), args, n, reps)
-      tbs = kv_bytes(batch, ctx) / best / 1e12
+      _, best, med = time_per_call(fn, args, n, reps)
+      tbs = kv_bytes(batch, ctx, itemsize=1 if fp8 else 2) / best / 1e12
       log(f"sweep B={batch} ctx={ctx} Q={q_len} {cfg}: {best * 1e6:.1f} us, {tbs:.2f} TB/s")
       results.append(dict(batch=batch, ctx=ctx, q_len=q_len, cfg=str(cfg), best_s=best,
-                          median_s=med, tbs=tbs))
+                          median_s=med, tbs=tbs, fp8=fp8))
       return best
     except Exception as e:
       log(f"sweep B={batch} ctx={ctx} Q={q_len} {cfg}: FAILED {type(e).__name__}: "
@@ -222,6 +228,9 @@ def sweep(results, reps, key):
   grid = [(8, 4, 1), (8, 4, 2), (8, 4, 3), (8, 4, 4), (8, 8, 2), (8, 8, 3), (8, 8, 4),
           (4, 4, 2), (4, 4, 3), (4, 4, 4), (4, 8, 3), (4, 8, 4),
           (16, 4, 2), (16, 8, 2), (16, 8, 3), (2, 4, 4)]
+  if fp8:
+    grid = [(8, 4, 2), (8, 4, 3), (8, 4, 4), (16, 4, 3), (16, 4, 4), (16, 8, 2), (16, 8, 3),
+            (16, 8, 4), (32, 4, 2), (32, 8, 2), (32, 8, 3)]
   for ppb, warps, stages in grid:
     cfg = BlockConfig(pages_per_block=ppb, num_warps=warps, num_stages=stages)
     timed[cfg] = run(64, 4096, 1, cfg)
@@ -341,6 +350,8 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--sweep", action="store_true", help="also time a grid of block configs")
+  ap.add_argument("--sweep-fp8", action="store_true",
+                  help="time a grid of block configs over fp8 pages (only that)")
   ap.add_argument("--no-table", action="store_true",
                   help="skip the main table (and the MiMo-V2-Flash table)")
   ap.add_argument("--no-mimo", action="store_true",
@@ -447,6 +458,8 @@ def main():
   sweep_results = []
   if opts.sweep:
     sweep(sweep_results, opts.reps, key)
+  if opts.sweep_fp8:
+    sweep(sweep_results, opts.reps, key, fp8=True)
   if out_dir:
     with open(os.path.join(out_dir, "bench_paged_attention.md"), "w") as f:
       f.write(table + "\n")

@@ -94,7 +94,12 @@ def _kernel(kv_lens_ref, bt_ref, scale_ref, q_ref, k_ref, v_ref, *refs, sm_scale
 
   k_parts = key_dim_parts(head_dim)
   v_part = (0, v_dim, dim_tile(v_dim))
-  q_parts = [_load_q_cols(q_ref, *part) for part in k_parts]
+  # fp8 pages under bf16 queries compute in float16: e4m3 -> f16 is one packed
+  # conversion, -> bf16 goes through f32 (two more per value); q and p fit f16's range
+  # at attention's magnitudes, and its mantissa is finer than bf16's.
+  compute = (jnp.float16 if k_ref.dtype == jnp.float8_e4m3fn and q_ref.dtype == jnp.bfloat16
+             else q_ref.dtype)
+  q_parts = [_load_q_cols(q_ref, *part).astype(compute) for part in k_parts]
   row = tile * rows + lax.broadcasted_iota(jnp.int32, (rows, block_k), 0)
   col = lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
   # 2-D [block_k, width] gathers, one table entry per row (module docstring says why):
@@ -118,7 +123,7 @@ def _kernel(kv_lens_ref, bt_ref, scale_ref, q_ref, k_ref, v_ref, *refs, sm_scale
     # Whole-array indices (no slices): the interpreter's masked load needs them.
     at = (jnp.broadcast_to(pages[:, None], kv_row.shape), slot_idx, start + dim_idx)
     # fp8 pages: to the compute dtype right after the load (exact for e4m3 values).
-    return pltriton.load(ref.at[at], mask=mask, other=0.0).astype(q_ref.dtype)
+    return pltriton.load(ref.at[at], mask=mask, other=0.0).astype(compute)
 
   def body(j, carry):
     acc, m_prev, l_prev = carry
