@@ -61,13 +61,6 @@ def log(*a):
   print(*a, flush=True)
 
 
-def copy_bandwidth(nbytes):
-  """(bytes/s, method): the best read + write bandwidth of a device copy of nbytes."""
-  bws = paged_attention_bench.copy_bandwidth(nbytes=nbytes)
-  method = max(bws, key=bws.get)
-  return bws[method], f"{method}, {nbytes >> 20} MiB"
-
-
 def route(key, tokens, experts, top_k):
   """[tokens * top_k] expert ids: top_k distinct random experts per token."""
   scores = jax.random.uniform(key, (tokens, experts))
@@ -207,7 +200,7 @@ def main(argv=None):
             f"{sys.version.split()[0]}; E={experts}, top-{top_k}, bf16"
             f"{'; SMOKE (interpret mode)' if opts.smoke else ''}")
   log(header)
-  copy_bw, copy_method = copy_bandwidth(p["copy_bytes"])
+  copy_bw, copy_method = paged_attention_bench.best_copy_bandwidth(p["copy_bytes"])
   log(f"copy bandwidth: {copy_bw / 1e12:.3f} TB/s ({copy_method}, read + write)")
   tok, tok_reason = tokamax_candidates()
   if tok_reason:

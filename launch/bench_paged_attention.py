@@ -109,6 +109,13 @@ def copy_bandwidth(reps=10, nbytes=COPY_BYTES):
   return out
 
 
+def best_copy_bandwidth(nbytes=COPY_BYTES):
+  """(bytes/s, method): the best read + write bandwidth of a device copy of nbytes."""
+  bws = copy_bandwidth(nbytes=nbytes)
+  method = max(bws, key=bws.get)
+  return bws[method], f"{method}, {nbytes >> 20} MiB"
+
+
 def make_inputs(batch, ctx, q_len, key, layer=DEFAULT):
   """Pool of exactly the pages needed, in random order; every row at kv_len = ctx."""
   pages_per_seq = ctx // PAGE

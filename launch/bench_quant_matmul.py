@@ -69,13 +69,6 @@ def log(*a):
   print(*a, flush=True)
 
 
-def copy_bandwidth(nbytes):
-  """(bytes/s, method): the best read + write bandwidth of a device copy of nbytes."""
-  bws = paged_attention_bench.copy_bandwidth(nbytes=nbytes)
-  method = max(bws, key=bws.get)
-  return bws[method], f"{method}, {nbytes >> 20} MiB"
-
-
 def sets_for(k, n, p):
   """Distinct weight copies per loop: >= flush_bytes of 1-byte weights, 2..max_sets."""
   return int(min(p["max_sets"], max(2, -(-p["flush_bytes"] // (k * n)))))
@@ -220,7 +213,7 @@ def main(argv=None):
             f"{sys.version.split()[0]}; x bf16; fp8 = float8_e4m3fn; block-scaled = "
             f"{p['block']}-row K blocks{'; TINY (interpret mode)' if opts.tiny else ''}")
   log(header)
-  copy_bw, copy_method = copy_bandwidth(p["copy_bytes"])
+  copy_bw, copy_method = paged_attention_bench.best_copy_bandwidth(p["copy_bytes"])
   copy_line = f"copy bandwidth: {copy_bw / 1e12:.3f} TB/s ({copy_method}, read + write)"
   x0 = jnp.ones((1, 128), jnp.bfloat16)
   overhead = time_per_call(null_call, x0, ((x0, None),) * 4, 1e-6, reps, p["target_s"],

@@ -411,6 +411,33 @@ def calibrate_kv_scales(model, token_rows=None, margin: float = KV_MARGIN) -> tu
     return tuple((scales(seen[i][0]), scales(seen[i][1])) for i in sorted(seen))
 
 
+def fp8_kv_attend(scales):
+    """attend_for(positions) for `mtp.forward_train`: causal attention over keys and
+    values rounded through fp8 with per-layer, per-kv-head `scales`, exactly as an fp8
+    cache stores them (write_rows) and the kernels read them back (page * scale)."""
+    from pallas_kernels.kv_write import quantize_rows
+
+    from .model import causal_attend
+
+    def rounded(x, s):  # x [b, t, heads, d]
+        s = jnp.asarray(s, jnp.float32)
+        rows = x.reshape(-1, x.shape[2], x.shape[3]).swapaxes(0, 1)  # [heads, b*t, d]
+        back = quantize_rows(rows, s, jnp.float8_e4m3fn).astype(jnp.float32) * s[:, None, None]
+        return back.swapaxes(0, 1).reshape(x.shape).astype(x.dtype)
+
+    def attend_for(positions):
+        inner = causal_attend(positions)
+
+        def attend(layer, q, k, v, window, *, sm_scale=None, v_dim=None, sinks=None):
+            ks, vs = scales[layer]
+            k = rounded(k, ks)
+            v = None if v is None else rounded(v, vs)
+            return inner(layer, q, k, v, window, sm_scale=sm_scale, v_dim=v_dim, sinks=sinks)
+        return attend
+
+    return attend_for
+
+
 # ---------------------------------------------------------------- sharding helpers
 def spec_like(w, spec, mesh=None):
     """The sharding spec pytree for a parameter: `spec` itself, or for a QArray the spec
@@ -440,4 +467,4 @@ def spec_like(w, spec, mesh=None):
 __all__ = ["QArray", "MODES", "QuantizationError", "quantize", "quantize_module",
            "quantize_params", "quantize_array", "quant_axes", "qeinsum", "compress_scale", "mode_of", "check_mode",
            "check_backend", "is_quantized", "value", "spec_like", "take_rows", "expand_scale",
-           "calibrate_kv_scales", "FP8_KV_DTYPE"]
+           "calibrate_kv_scales", "fp8_kv_attend", "FP8_KV_DTYPE"]

@@ -38,7 +38,7 @@ from flax import nnx
 from .checkpoint import from_params, load, save_hf, to_flat
 from .config import ModelConfig, SamplingParams, SpecConfig
 from .mtp import forward_train, init_model
-from .quant import MODES
+from .quant import MODES, calibrate_kv_scales, fp8_kv_attend, is_quantized
 
 EOT = "<|endoftext|>"
 SIZES = {  # model shapes; `small` is the shipped one
@@ -142,9 +142,9 @@ def make_config(size: str, vocab_size: int, max_len: int) -> ModelConfig:
                        mtp_hidden_source="previous", dtype="bfloat16")
 
 
-def head_losses(model, tokens):
+def head_losses(model, tokens, attend_for=None):
     """Mean cross-entropy per head [1 + K]: target, then module k predicting t_{i+k+2}."""
-    logits, outs = forward_train(model, tokens)
+    logits, outs = forward_train(model, tokens, attend_for=attend_for)
     T = tokens.shape[1]
 
     def xent(lg, labels):
@@ -157,7 +157,9 @@ def head_losses(model, tokens):
 
 
 def _bf16(params):
-    return jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    """Float parameters in bf16; quantized ones (values and scales) as they are."""
+    return jax.tree.map(lambda x: x if is_quantized(x) else x.astype(jnp.bfloat16), params,
+                        is_leaf=is_quantized)
 
 
 def make_step(graphdef, opt, mtp_weight):
@@ -176,13 +178,18 @@ def make_step(graphdef, opt, mtp_weight):
     return step
 
 
-def make_eval(graphdef):
+def make_eval(graphdef, kv_scales=None):
+    """The jitted teacher-forced evaluation; with `kv_scales`, every key and value is
+    rounded through fp8 with those scales first, as an fp8 KV cache stores them."""
+    attend_for = None if kv_scales is None else fp8_kv_attend(kv_scales)
+
     @jax.jit
     def evaluate(params, tokens):
         """Per-head losses and, per module, teacher-forced top-1 agreement with the
         target's argmax at the same predicted position, top-1 accuracy, and the chained
         agreement (modules 1..k all agree: the greedy acceptance of depth k)."""
-        heads, (logits, outs) = head_losses(nnx.merge(graphdef, _bf16(params)), tokens)
+        heads, (logits, outs) = head_losses(nnx.merge(graphdef, _bf16(params)), tokens,
+                                            attend_for)
         T, K = tokens.shape[1], len(outs)
         tgt = jnp.argmax(logits, -1)  # position j predicts t_{j+1}
         n = T - K - 1  # anchors every module has a label for
@@ -336,16 +343,19 @@ def train(args) -> dict:
 
 # ----------------------------------------------------------- evaluation of an export
 def heldout_metrics(model_dir, root, overlap, *, seq_len=512, batch=16, percent=2,
-                    quantize=None) -> dict:
+                    quantize=None, kv_dtype=None) -> dict:
     """Teacher-forced metrics (as `make_eval`) of an exported model over every held-out
     window of the corpus (the same path-hash split as training), its weights quantized
-    if asked."""
+    and its keys / values rounded through fp8 (calibrated scales) if asked."""
     model = load(model_dir, quantize=quantize)
+    scales = None
+    if kv_dtype == "fp8":
+        scales = model.kv_scales or calibrate_kv_scales(model)
     files = build_corpus(root, overlap)["files"]
     texts = [t for rel, t in files if is_heldout(rel, percent)]
     rows = windows(token_stream(model.tokenizer, texts, range(len(texts))), seq_len)
     rows = rows[: max(len(rows) // batch, 1) * batch]
-    evaluate = make_eval(model.graphdef)
+    evaluate = make_eval(model.graphdef, scales)
     outs = [jax.device_get(evaluate(model.params, jnp.asarray(rows[i: i + batch])))
             for i in range(0, len(rows), batch)]
     res = {k: np.mean([o[k] for o in outs], axis=0).tolist() for k in outs[0]}
@@ -354,7 +364,8 @@ def heldout_metrics(model_dir, root, overlap, *, seq_len=512, batch=16, percent=
 
 # ------------------------------------------------------------------- acceptance table
 def acceptance(model_dir, problems, *, methods, k=3, max_tokens=128, max_batch=16,
-               max_model_len=1024, limit=None, dtype=None, quantize=None) -> dict:
+               max_model_len=1024, limit=None, dtype=None, quantize=None,
+               kv_dtype=None) -> dict:
     """Greedy decoding of the HumanEval prompts with each method: tokens per target forward
     (prefill counts as one), acceptance per depth, and per earlier method the number of
     prompts with identical output (all, in exact arithmetic; in bf16 a near-tie can
@@ -367,7 +378,7 @@ def acceptance(model_dir, problems, *, methods, k=3, max_tokens=128, max_batch=1
     out, ids_of = {}, {}
     for method in ["none"] + [m for m in methods if m != "none"]:
         eng = Engine(model, spec=SpecConfig(method=method, num_speculative_tokens=k),
-                     max_batch=max_batch, max_model_len=max_model_len)
+                     max_batch=max_batch, max_model_len=max_model_len, kv_dtype=kv_dtype)
         compile_s = eng.warmup()
         t0 = time.perf_counter()
         res = eng.generate([Request(i, ids, sp) for i, ids in enumerate(prompts)])
@@ -405,6 +416,8 @@ def main_parser() -> argparse.ArgumentParser:
     export.add_argument("--model", required=True, help="exported model folder")
     export.add_argument("--out", help="JSON file for the results")
     export.add_argument("--quantize", choices=MODES, help="quantize the weights as they load")
+    export.add_argument("--kv-dtype", choices=["fp8"], help="fp8 keys and values (heldout: "
+                        "rounded through fp8 with calibrated scales; accept: an fp8 cache)")
     t = sub.add_parser("train", parents=[data], help="corpus, tokenizer, training, export")
     t.add_argument("--out", required=True, help="export folder (HF MiMo layout)")
     t.add_argument("--size", choices=sorted(SIZES), default="small")
@@ -446,14 +459,15 @@ def main(argv=None):
         table = heldout_metrics(args.model, args.stdlib or sysconfig.get_paths()["stdlib"],
                                 overlap_lines(humaneval_problems(args.humaneval)),
                                 seq_len=args.seq_len, percent=args.heldout_percent,
-                                quantize=args.quantize)
+                                quantize=args.quantize, kv_dtype=args.kv_dtype)
         print(json.dumps(table))
     else:
         table = acceptance(args.model, humaneval_problems(args.humaneval),
                            methods=args.methods.split(","), k=args.k,
                            max_tokens=args.max_tokens, max_batch=args.max_batch,
                            max_model_len=args.max_model_len, limit=args.limit,
-                           dtype=args.dtype, quantize=args.quantize)
+                           dtype=args.dtype, quantize=args.quantize,
+                           kv_dtype=args.kv_dtype)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(table, f, indent=1)

@@ -21,3 +21,13 @@ def resolve_backend(backend, env_var: str, op: str, extra: tuple[str, ...] = ())
         raise ValueError(f"unknown {op} backend {choice!r}; expected one of {allowed} "
                          "(or None for jax.default_backend())")
     return choice
+
+
+def next_pow2(n: int) -> int:
+  """The smallest power of two >= n (1 for n <= 1)."""
+  return 1 << max(0, (n - 1).bit_length())
+
+
+def first_divisor(n: int, candidates):
+  """The first of `candidates` that divides n, or None."""
+  return next((c for c in candidates if n % c == 0), None)

@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import resolve_backend
+from pallas_kernels import first_divisor, next_pow2, resolve_backend
 from pallas_kernels.quant_matmul import VALUE_DTYPES, check_quantized
 
 BACKEND_ENV_VAR = "MTP_JAX_MOE_BACKEND"
@@ -96,12 +96,6 @@ class BlockConfig:
                        f"{self.tile_rows}.")
 
 
-def _next_pow2(n: int) -> int:
-  return 1 << max(0, (n - 1).bit_length())
-
-
-def _first_divisor(n: int, candidates) -> int | None:
-  return next((c for c in candidates if n % c == 0), None)
 
 
 def default_tile_rows(num_rows: int, num_experts: int, backend: str) -> int:
@@ -111,7 +105,7 @@ def default_tile_rows(num_rows: int, num_experts: int, backend: str) -> int:
   weights are read once per tile whatever its height.
   """
   per_expert = -(-max(num_rows, 1) // max(1, min(num_experts, num_rows)))
-  return min(max(_next_pow2(per_expert), 16), 128 if backend == "tpu" else 64)
+  return min(max(next_pow2(per_expert), 16), 128 if backend == "tpu" else 64)
 
 
 def default_block_config(num_rows, num_experts, k, m, backend, num_cores=None,
@@ -137,11 +131,11 @@ def default_block_config(num_rows, num_experts, k, m, backend, num_cores=None,
     fits = [c for c in (2048, 1024, 512, 256, 128)
             if k % c == 0 and (bk % c == 0 or c % bk == 0)]
     block_k = k if k <= 2048 else (fits[0] if fits else k)
-    block_m = _first_divisor(m, (512, 256, 128)) or m
+    block_m = first_divisor(m, (512, 256, 128)) or m
     return BlockConfig(tile_rows=tile_rows, block_m=block_m, block_k=block_k)
   return BlockConfig(tile_rows=tile_rows,
-                     block_m=_first_divisor(m, (128, 64, 32)) or 16,
-                     block_k=_first_divisor(bk, (64, 32)) or 16)
+                     block_m=first_divisor(m, (128, 64, 32)) or 16,
+                     block_k=first_divisor(bk, (64, 32)) or 16)
 
 
 def num_tiles(num_rows: int, num_experts: int, tile_rows: int) -> int:

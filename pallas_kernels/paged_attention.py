@@ -79,7 +79,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import BACKENDS, resolve_backend  # noqa: F401  (BACKENDS re-exported)
+from pallas_kernels import BACKENDS, next_pow2, resolve_backend  # noqa: F401  (BACKENDS re-exported)
 from pallas_kernels.kv_write import FP8_DTYPE  # the quantized page dtype
 
 BACKEND_ENV_VAR = "MTP_JAX_ATTENTION_BACKEND"
@@ -117,9 +117,6 @@ class BlockConfig:
       raise ValueError(f"BlockConfig.rows_per_block must be >= 8, got {self.rows_per_block}.")
 
 
-def _next_pow2(n: int) -> int:
-  return 1 << max(0, (n - 1).bit_length())
-
 
 def default_block_config(batch, q_len, num_q_heads, num_kv_heads, page_size, max_pages,
                          backend, num_cores=None) -> BlockConfig:
@@ -133,11 +130,11 @@ def default_block_config(batch, q_len, num_q_heads, num_kv_heads, page_size, max
   rows = q_len * (num_q_heads // num_kv_heads)
   if backend == "tpu":
     return BlockConfig(
-        pages_per_block=min(max(1, 512 // page_size), _next_pow2(max_pages)),
-        rows_per_block=min(max(_next_pow2(rows), 16), 128))
-  rows_per_block = min(max(_next_pow2(rows), 16), 64)
-  pages_per_block = min(max(1, 128 // page_size), _next_pow2(max_pages))
-  pages_per_block = max(pages_per_block, _next_pow2(-(-16 // page_size)))  # block_k >= 16
+        pages_per_block=min(max(1, 512 // page_size), next_pow2(max_pages)),
+        rows_per_block=min(max(next_pow2(rows), 16), 128))
+  rows_per_block = min(max(next_pow2(rows), 16), 64)
+  pages_per_block = min(max(1, 128 // page_size), next_pow2(max_pages))
+  pages_per_block = max(pages_per_block, next_pow2(-(-16 // page_size)))  # block_k >= 16
   programs = batch * num_kv_heads * -(-rows // rows_per_block)
   if num_cores is None:
     num_cores = getattr(jax.devices()[0], "core_count", None) or 132

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import resolve_backend
+from pallas_kernels import next_pow2, resolve_backend
 
 BACKEND_ENV_VAR = "MTP_JAX_MLA_BACKEND"
 
@@ -78,9 +78,6 @@ class MLABlockConfig:
                        f"{self.rows_per_block}.")
 
 
-def _next_pow2(n: int) -> int:
-  return 1 << max(0, (n - 1).bit_length())
-
 
 def gpu_dim_tile(n: int) -> int:
   """Tile width the GPU kernel uses for a head-dim part of width n (0: no such part).
@@ -88,7 +85,7 @@ def gpu_dim_tile(n: int) -> int:
   Triton tiles are powers of two and tensor-core dots need >= 16, so a part is padded
   up to the next such width by masked loads; padded columns are read as zeros.
   """
-  return 0 if n == 0 else max(16, _next_pow2(n))
+  return 0 if n == 0 else max(16, next_pow2(n))
 
 
 def default_block_config(batch, q_len, num_heads, page_size, max_pages, head_dim, dtype,
@@ -115,14 +112,14 @@ def default_block_config(batch, q_len, num_heads, page_size, max_pages, head_dim
   if backend == "tpu":
     pages = max(1, min(256 // page_size, max_pages))
     return MLABlockConfig(block_k=pages * page_size, num_splits=1, num_warps=4,
-                          rows_per_block=min(max(_next_pow2(rows), 16), 256))
+                          rows_per_block=min(max(next_pow2(rows), 16), 256))
   itemsize = jnp.dtype(dtype).itemsize
-  rows_per_block = min(max(_next_pow2(rows), 16), 64 if itemsize <= 2 else 32)
+  rows_per_block = min(max(next_pow2(rows), 16), 64 if itemsize <= 2 else 32)
   row_bytes = itemsize * head_dim
   block_k = 64
   while block_k > 16 and (rows_per_block + 2 * block_k) * row_bytes > 224 << 10:
     block_k //= 2
-  block_k = max(16, min(block_k, _next_pow2(kv_capacity)))
+  block_k = max(16, min(block_k, next_pow2(kv_capacity)))
   programs = batch * -(-rows // rows_per_block)
   if num_cores is None:
     num_cores = getattr(jax.devices()[0], "core_count", None) or 132

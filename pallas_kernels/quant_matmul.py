@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import resolve_backend
+from pallas_kernels import first_divisor, next_pow2, resolve_backend
 
 BACKEND_ENV_VAR = "MTP_JAX_QMATMUL_BACKEND"
 X_DTYPES = (jnp.bfloat16, jnp.float32)
@@ -83,12 +83,6 @@ class BlockConfig:
         raise ValueError(f"BlockConfig.{f.name} must be a positive int, got {v!r}.")
 
 
-def _next_pow2(n: int) -> int:
-  return 1 << max(0, (n - 1).bit_length())
-
-
-def _first_divisor(n: int, candidates) -> int | None:
-  return next((c for c in candidates if n % c == 0), None)
 
 
 def default_block_config(m, k, n, s, backend, num_cores=None) -> BlockConfig:
@@ -113,15 +107,15 @@ def default_block_config(m, k, n, s, backend, num_cores=None) -> BlockConfig:
   bk = k // max(s, 1)
   if backend == "tpu":
     block_m = min(256, -(-max(m, 1) // 16) * 16)
-    block_n = _first_divisor(n, (512, 256, 128)) or n
+    block_n = first_divisor(n, (512, 256, 128)) or n
     fits = [c for c in (2048, 1024, 512, 256, 128)
             if k % c == 0 and (bk % c == 0 or c % bk == 0)]
     block_k = k if k <= 2048 else (fits[0] if fits else k)
     return BlockConfig(block_m=block_m, block_n=block_n, block_k=block_k)
   if num_cores is None:
     num_cores = getattr(jax.devices()[0], "core_count", None) or 132
-  block_m = min(64, max(16, _next_pow2(m)))
-  block_k = _first_divisor(bk, (128, 64, 32)) or 16
+  block_m = min(64, max(16, next_pow2(m)))
+  block_k = first_divisor(bk, (128, 64, 32)) or 16
   m_blocks = -(-max(m, 1) // block_m)
   # Partial sums: splits * M * N * 4 bytes written and read <= K * N / 8 weight bytes.
   max_splits = max(1, min(k // block_k // 8, k // (64 * max(m, 1)), 16))
