@@ -1,9 +1,17 @@
 """The host side: requests, slots, admission, prefill, multi-step dispatches, results.
 
 Continuous batching over `max_batch` fixed slots. Requests queue in order; the head of
-the queue is admitted when a slot is free and its page reservation (prompt + max_tokens
-+ K positions) fits the pools, so the decode loop never allocates. Admission runs the
-chunked prefill (target, then the MTP history, then the first drafts) for that slot.
+the queue is admitted when a slot is free and the pages of its prompt (+ K positions) fit
+the pools. KV pages are held as sequences grow: before each dispatch every running request
+is given the pages that dispatch can write (its length + steps * (K + 1) + K, capped at
+prompt + max_tokens + K), so the decode loop never allocates. When the pool cannot cover
+that, the most recently admitted running request is preempted: its pages are freed and it
+goes back to the head of the queue with its generated tokens appended to its prompt, to be
+prefilled again and continued (same ids, seeds and positions, so the same output); its
+result joins both parts. Sampled requests verified by rejection sampling (a fixed K) hold
+their whole reservation from admission instead and are never preempted: their tokens
+depend on the drafts, which a continuation would draw anew. Admission runs the chunked prefill (target, then the MTP
+history, then the first drafts) for that slot.
 Then one dispatch runs up to `steps_per_dispatch` speculative steps on device (with
 adaptive speculation, of the step kind `mtp_jax.adaptive` picks for it); between
 dispatches the host collects finished requests (stop ids, budget, max_model_len and NaN
@@ -79,9 +87,25 @@ class Result:
 
 @dataclasses.dataclass
 class _Live:
-    req: Request
+    req: Request  # as admitted (a preempted request: prompt + its earlier tokens)
     pages: list
     stop_strings: tuple
+    order: int = 0  # admission count: the highest is preempted first
+    tokens: int = 0  # KV positions its pages cover
+    pinned: bool = False  # holds its whole reservation and is never preempted
+    origin: Optional["_Resumed"] = None  # set for a request preempted before
+
+
+@dataclasses.dataclass
+class _Resumed:
+    """What a preempted request had done before: its original request, the tokens it
+    generated, and its statistics."""
+
+    req: Request
+    tokens: list
+    steps: int
+    accepted: list
+    drafted: list
 
 
 class Engine:
@@ -139,6 +163,8 @@ class Engine:
         self._warm = False
         self.stats = collections.Counter()
         self.control = KController(k) if spec.adaptive else None
+        self._resumed: dict = {}  # id(queued Request) -> _Resumed, for preempted requests
+        self._admissions = 0
         # per-slot counters as of the last collection, for each dispatch's deltas
         self._seen = np.zeros((eng.max_batch, 2 * k + 1), np.int64)
         self._generated = np.zeros((eng.max_batch,), np.int64)
@@ -171,6 +197,10 @@ class Engine:
         self._admit_slot(0, Request(None, [0]), [[] for _ in self.layout.groups], limit=0)
         for kind in self.static.kinds:
             self.state = self.progs.steps(kind)(p, self.state, jnp.int32(1))
+        b, w = self.config.max_batch, self.layout.width  # the page-growth program, a no-op
+        self.state = self.progs.grow(self.state, np.zeros((b,), bool),
+                                     np.zeros((b, w), np.int32), np.zeros((b,), np.int32),
+                                     np.zeros((w,), np.int32))
         self.state = jax.block_until_ready(self.progs.release(self.state, self._mask([0])))
         self._warm = True
         self.compile_seconds += time.perf_counter() - t0
@@ -185,7 +215,7 @@ class Engine:
     def cache_sizes(self) -> dict:
         """Compiled-program cache sizes (for checking that nothing recompiles)."""
         out = {n: getattr(self.progs, n)._cache_size()
-               for n in ("admit", "release", "prefill_finish")}
+               for n in ("admit", "release", "prefill_finish", "grow")}
         out["run_steps"] = sum(self.progs.steps(k)._cache_size() for k in self.static.kinds)
         for n in ("prefill_target", "prefill_mtp") if self.spec.k else ("prefill_target",):
             fns = [getattr(self.progs, n)(c) for c in self.buckets()]
@@ -227,8 +257,23 @@ class Engine:
         return min(req.sampling.max_tokens, self.config.max_model_len - len(req.prompt_ids))
 
     def _reserve_tokens(self, req: Request) -> int:
+        """KV positions the request can ever write: prompt + budget + K."""
         return min(len(req.prompt_ids) + self._budget(req) + self.spec.k,
                    self.config.max_model_len + self.spec.k)
+
+    def _admit_tokens(self, req: Request) -> int:
+        """KV positions held at admission: the prompt, the first token and the first
+        draft window's writes (the dispatches grow it); a pinned request's whole need."""
+        if self._pinned(req):
+            return self._reserve_tokens(req)
+        return min(len(req.prompt_ids) + 1 + self.spec.k, self._reserve_tokens(req))
+
+    def _pinned(self, req: Request) -> bool:
+        """A sampled request verified by rejection sampling (a fixed K) is never
+        preempted: continuing it from recomputed KV would draw other drafts, and its
+        tokens depend on the drafts (a greedy one's do not, nor do those of coupled
+        sampling under adaptive K), so it would not reproduce its seed's output."""
+        return self.spec.k > 0 and not self.static.coupled and req.sampling.temperature > 0
 
     # --------------------------------------------------------------- admission
     def _admit_slot(self, slot: int, req: Request, pages: list, limit: Optional[int] = None):
@@ -245,10 +290,9 @@ class Engine:
         full = np.zeros((self.layout.width,), np.int32)
         full[: len(pages[0])] = pages[0]
         sp = req.sampling
-        tokens = self._reserve_tokens(req)
+        tokens = self._admit_tokens(req) if limit is None else limit
         self.state = self.progs.admit(
-            self.state, jnp.int32(slot), buf,
-            jnp.int32(min(tokens, eng.max_model_len + s.k) if limit is None else limit),
+            self.state, jnp.int32(slot), buf, jnp.int32(tokens),
             jnp.int32(self._budget(req)), stops, jnp.float32(sp.temperature),
             jnp.int32(sp.top_k), jnp.float32(sp.top_p),
             np.asarray(split_seed(sp.seed), np.uint32), jnp.bool_(sp.relaxed),
@@ -301,18 +345,25 @@ class Engine:
                     self.queue.popleft()
                     out.append(self._error(req, err))
                     continue
-                pages = self.alloc.reserve(self._reserve_tokens(req))
+                tokens = self._admit_tokens(req)
+                pages = self.alloc.reserve(tokens)
                 if pages is None:
                     return  # wait for pages to be released, keep the order
                 self.queue.popleft()
+                origin = self._resumed.pop(id(req), None)
                 try:
                     self._admit(slot, req, pages)
                 except Exception as e:  # never lose the batch or leak the reservation
                     self.alloc.release(pages)
                     self.state = self.progs.release(self.state, self._mask([slot]))
-                    out.append(self._error(req, f"could not admit: {type(e).__name__}: {e}"))
+                    out.append(self._error(origin.req if origin else req,
+                                           f"could not admit: {type(e).__name__}: {e}"))
                     continue
-                self.slots[slot] = _Live(req, pages, tuple(req.sampling.stop))
+                self._admissions += 1
+                self.slots[slot] = _Live(req, pages, tuple(req.sampling.stop),
+                                         order=self._admissions, tokens=tokens, origin=origin,
+                                         pinned=self._pinned(req))
+                self._generated[slot] = 1  # the first token, sampled at admission
                 break
             else:
                 return
@@ -325,6 +376,7 @@ class Engine:
     def abort(self) -> None:
         """Drop queued requests and free every slot (after an interrupted stream)."""
         self.queue.clear()
+        self._resumed.clear()
         live = [i for i, x in enumerate(self.slots) if x is not None]
         for i in live:
             self.alloc.release(self.slots[i].pages)
@@ -368,7 +420,9 @@ class Engine:
         results = []
         for i in look:
             item = self.slots[i]
-            toks = out_tokens[i, : ngen[i]].tolist()
+            before = item.origin or _Resumed(item.req, [], 0, [0] * self.spec.k,
+                                             [0] * self.spec.k)
+            toks = before.tokens + out_tokens[i, : ngen[i]].tolist()
             reason, text, err = _REASONS.get(int(finish[i])), None, None
             found = self._match_stop_string(toks, item.stop_strings) if item.stop_strings \
                 else None
@@ -378,10 +432,10 @@ class Engine:
                 continue  # still running, no stop string yet
             if reason == "error":
                 err = "non-finite (NaN or Inf) logits: the request was stopped"
-            res = Result(item.req.id, toks, reason, len(item.req.prompt_ids), text=text,
-                         error=err, num_steps=int(steps[i]),
-                         accepted_per_depth=[int(x) for x in acc[i]],
-                         drafted_per_depth=[int(x) for x in tried[i]])
+            res = Result(before.req.id, toks, reason, len(before.req.prompt_ids), text=text,
+                         error=err, num_steps=before.steps + int(steps[i]),
+                         accepted_per_depth=[a + int(x) for a, x in zip(before.accepted, acc[i])],
+                         drafted_per_depth=[a + int(x) for a, x in zip(before.drafted, tried[i])])
             if res.text is None and self.model.tokenizer is not None:
                 res.text = self.model.tokenizer.decode(toks)
             results.append(res)
@@ -433,6 +487,9 @@ class Engine:
                     n = max(1, n // 16) if self.control.probe else n
                     if jax.process_count() > 1:  # every process runs the same program
                         kind, n = self._agree(kind, n)
+                self._hold_pages(n)
+                running = sum(x is not None for x in self.slots)
+                self.stats["max_running"] = max(self.stats["max_running"], running)
                 t0 = time.perf_counter()
                 self.state = self.progs.steps(kind)(self.model.params, self.state, jnp.int32(n))
                 done = self._collect()
@@ -446,6 +503,78 @@ class Engine:
                 self.stats["dispatches"] += 1
         finally:
             self.abort()
+
+    # ------------------------------------------------------------------ paging
+    def _hold_pages(self, steps: int) -> None:
+        """Give every running request the pages the next dispatch of `steps` steps can
+        write; preempt the most recently admitted unpinned ones while the pool cannot."""
+        k = self.static.k
+        while True:
+            need = {}
+            for i, x in enumerate(self.slots):
+                if x is None:
+                    continue
+                length = len(x.req.prompt_ids) + int(self._generated[i])
+                want = min(length + steps * (k + 1) + k, self._reserve_tokens(x.req))
+                if want > x.tokens:
+                    need[i] = want
+            if not need:
+                return
+            if self._grow(need):
+                return
+            # Only unpinned requests grow, so one of them (maybe the asker) can yield. A
+            # request alone always fits (Engine.check refuses one that never can).
+            victims = [i for i, x in enumerate(self.slots) if x is not None and not x.pinned]
+            if not victims or sum(x is not None for x in self.slots) == 1:
+                raise RuntimeError("the KV page pool cannot hold one request's next dispatch")
+            self._preempt(max(victims, key=lambda i: self.slots[i].order))
+
+    def _grow(self, need: dict) -> bool:
+        """Extend the slots' pages to `need` {slot: tokens}, all or none."""
+        grown, fresh = {}, []
+        for i, tokens in need.items():
+            new = self.alloc.grow(self.slots[i].pages, tokens)
+            if new is None:  # undo: give back what this round handed out
+                for j, pages in grown.items():
+                    self.alloc.release(pages)
+                    for held, extra in zip(self.slots[j].pages, pages):
+                        del held[len(held) - len(extra):]
+                return False
+            grown[i] = new
+            fresh += new[0]
+        rows = np.zeros((self.config.max_batch, self.layout.width), np.int32)
+        limit = np.zeros((self.config.max_batch,), np.int32)
+        for i, tokens in need.items():
+            rows[i] = self.alloc.table_rows(self.slots[i].pages)[0]
+            limit[i] = tokens
+            self.slots[i].tokens = tokens
+        zero = np.zeros((self.layout.width,), np.int32)
+        zero[: len(fresh)] = fresh[: self.layout.width]
+        self.state = self.progs.grow(self.state, self._mask(need), rows, limit, zero)
+        self.stats["pages_grown"] += len(fresh)
+        return True
+
+    def _preempt(self, slot: int) -> None:
+        """Free `slot` and queue its request again, first, to continue from its tokens."""
+        item = self.slots[slot]
+        st = self.state
+        ngen, steps, acc, tried, toks = self._fetch(
+            (st.num_generated, st.steps, st.accepted, st.drafted, st.out_tokens))
+        before = item.origin or _Resumed(item.req, [], 0, [0] * self.spec.k,
+                                         [0] * self.spec.k)
+        new = [int(t) for t in np.asarray(toks)[slot, : int(ngen[slot])]]
+        done = _Resumed(before.req, before.tokens + new, before.steps + int(steps[slot]),
+                        [a + int(x) for a, x in zip(before.accepted, acc[slot])],
+                        [a + int(x) for a, x in zip(before.drafted, tried[slot])])
+        sp = item.req.sampling
+        again = Request(item.req.id, list(item.req.prompt_ids) + new, dataclasses.replace(
+            sp, max_tokens=sp.max_tokens - len(new)))
+        self.alloc.release(item.pages)
+        self.slots[slot] = None
+        self.state = self.progs.release(self.state, self._mask([slot]))
+        self._resumed[id(again)] = done
+        self.queue.appendleft(again)
+        self.stats["preemptions"] += 1
 
     def _last_wave(self) -> tuple:
         """(remaining tokens, accepted [n, K], verified [n, K]) of the running requests, as

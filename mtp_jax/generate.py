@@ -386,6 +386,9 @@ def run(engine: Engine, requests: list, ids: list, emit, has_tokenizer: bool) ->
              f"acceptance per depth: {depth}"]
     if engine.control is not None:
         lines.append(f"drafts verified per dispatch (adaptive): {schedule_line(engine.control)}")
+    if engine.stats["preemptions"]:
+        lines.append(f"{engine.stats['preemptions']} preemptions: the KV page pool ran out and "
+                     "requests were paused and continued (outputs unchanged)")
     return "\n".join(lines)
 
 

@@ -2,9 +2,10 @@
 
 Layers (target layers, then MTP modules) are grouped by attention kind: one group for
 full attention and one per sliding-window size. Each group has its own page pool and its
-own block table `[max_batch, width]`. A full-attention request reserves
-ceil((prompt + max_tokens + K) / page_size) pages at admission, so the decode loop never
-allocates. A sliding-window group keeps only a ring of R pages per request, with
+own block table `[max_batch, width]`. A full-attention request holds pages as it grows:
+the prompt's at admission, then before every dispatch the host hands each running request
+the pages that dispatch can write (`PageAllocator.grow`), so the decode loop itself never
+allocates (engine.py: preemption when the pool runs out). A sliding-window group keeps only a ring of R pages per request, with
 R * page_size > window + largest query chunk; its block table row is that ring tiled to
 the table width, so position p maps to ring page (p // page_size) % R with no change to
 the attention kernel (masking is by position, so older positions aliased onto the same
@@ -203,6 +204,21 @@ class PageAllocator:
             return None
         return [[self.free[g].pop() for _ in range(self.layout.pages_for(g, tokens))]
                 for g in range(len(self.layout.groups))]
+
+    def grow(self, pages: list, tokens: int) -> Optional[list]:
+        """Extend a reservation in place to `tokens` positions (full-attention pages; a
+        sliding group's ring is fixed): the new page ids, or None if they don't fit."""
+        more = [max(0, self.layout.pages_for(g, tokens) - len(ids)) if grp.window is None
+                else 0 for g, (grp, ids) in enumerate(zip(self.layout.groups, pages))]
+        if any(len(self.free[g]) < n for g, n in enumerate(more)):
+            return None
+        new = [[self.free[g].pop() for _ in range(n)] for g, n in enumerate(more)]
+        for ids, extra in zip(pages, new):
+            ids.extend(extra)
+        return new
+
+    def free_pages(self, group: int = 0) -> int:
+        return len(self.free[group])
 
     def release(self, pages: list) -> None:
         for g, ids in enumerate(pages):

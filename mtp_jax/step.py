@@ -277,10 +277,6 @@ def admit(s: Static, st: DecodeState, slot, prompt, limit, max_tokens, stop_ids,
         return arr.at[slot].set(val)
 
     sp = st.sampling
-    caches = list(st.caches)
-    if s.spec.method == "per_step" and s.k > 1:
-        for layer in range(s.cfg.num_layers + 1, s.cfg.num_layers + s.k):
-            caches[layer] = tuple(c.at[:, zero_pages].set(0) for c in caches[layer])
     return st.replace(
         active=put(st.active, True), finish=put(st.finish, FINISH_NONE), length=put(st.length, 0),
         num_generated=put(st.num_generated, 0), max_tokens=put(st.max_tokens, max_tokens),
@@ -290,7 +286,27 @@ def admit(s: Static, st: DecodeState, slot, prompt, limit, max_tokens, stop_ids,
         relaxed=put(st.relaxed, relaxed), think=put(st.think, think),
         steps=put(st.steps, 0), accepted=put(st.accepted, 0), drafted=put(st.drafted, 0),
         block_tables=tuple(put(bt, table_rows[g]) for g, bt in enumerate(st.block_tables)),
-        caches=tuple(caches), prefill_tokens=prompt)
+        caches=_zero_per_step_pages(s, st.caches, zero_pages), prefill_tokens=prompt)
+
+
+def _zero_per_step_pages(s: Static, caches, pages) -> tuple:
+    """per_step's modules after the first only ever write draft positions: the rest of
+    their pages must read as zeros, not as an earlier request's keys."""
+    caches = list(caches)
+    if s.spec.method == "per_step" and s.k > 1:
+        for layer in range(s.cfg.num_layers + 1, s.cfg.num_layers + s.k):
+            caches[layer] = tuple(c.at[:, pages].set(0) for c in caches[layer])
+    return tuple(caches)
+
+
+def grow(s: Static, st: DecodeState, mask, rows, limit, new_pages) -> DecodeState:
+    """Slots `mask` [B] got more full-attention pages: their table rows [B, width] and
+    KV write limits [B] replace the old ones; new_pages [n] (null-page padded) are the
+    pages just handed out (zeroed where per_step needs it)."""
+    tables = list(st.block_tables)
+    tables[0] = jnp.where(mask[:, None], rows, tables[0])
+    return st.replace(block_tables=tuple(tables), limit=jnp.where(mask, limit, st.limit),
+                      caches=_zero_per_step_pages(s, st.caches, new_pages))
 
 
 def release(st: DecodeState, mask) -> DecodeState:
@@ -430,6 +446,10 @@ class Programs:
     @functools.cached_property
     def release(self):
         return self._jit(release, 1, with_params=False)
+
+    @functools.cached_property
+    def grow(self):
+        return self._jit(functools.partial(grow, self.static), 4, with_params=False)
 
     @functools.cache
     def prefill_target(self, chunk: int):
