@@ -1,7 +1,8 @@
 """Benchmark paged MLA (pallas_kernels.paged_mla) on a GPU against the XLA reference, the
 device's copy bandwidth and its bf16 matrix rate, all measured in the same run.
 
-  python launch/bench_paged_mla.py --out mla.json [--sweep] [--reps 5]
+  python launch/bench_paged_mla.py --out mla.json [--sweep] [--sweep-fp8] [--no-fp8]
+                                   [--reps 5]
 
 Shapes: DeepSeek-V3 attention on one device: H=128 heads, Dk=576 (latent 512 + rope
 64), v_dim=512, bf16, page 16, pages in a random permutation of the pool, every row at
@@ -16,20 +17,30 @@ At H = 128 the op does about 2 * H * Q flops per byte: Q = 1 sits near an H100's
 point and Q = 4 is compute bound, so "% of copy" cannot reach 100 % there; "% of floor"
 is the honest efficiency figure.
 
+fp8 latent cache (skip it with --no-fp8): every shape is timed again with the pages in
+float8_e4m3fn, quantized from the same bf16 pages with one scale for the latent part and
+one for the rope part (amax / 448 each, saturated as the cache writes them), q still
+bf16. Its bytes count 1 per cached value, its limits are the same copy bandwidth and
+matmul rate, and its table gives the fp8 / bf16 time ratio (0.5 where both run at the
+same bandwidth; nearer 1 where the matrix work binds) and two errors: against the XLA
+reference on the same fp8 pages, and against our bf16 result (the quantization).
+
 Timing: N calls inside one jitted fori_loop, N a run-time argument picked so that a loop
 takes about 50 ms; best and median of --reps loops after a warm-up (compile time is
 reported apart). Each call's result feeds the next call's kv_lens through a NaN check
 (zero unless the output holds a NaN), so no call can be hoisted; that check reads the
 output once per call, which is counted in neither bytes nor flops. The block tables
-rotate over several copies of the page pool (at least 256 MiB of pages in all), so
-small-batch calls read device memory rather than L2. The copy bandwidth is
+rotate over several copies of the page pool (at least 256 MiB of bf16 pages in all, half
+that in fp8), so small-batch calls read device memory rather than L2. The copy bandwidth is
 `copy_bandwidth` of launch/bench_paged_attention.py (the best of torch and XLA copies of
 4 GiB, read + write bytes); the matmul rate is the best of --reps jitted 8192^3 bf16
 products on random data.
 
 --sweep times a grid of block configs at (B=64, 4k) and KV split counts at small B
-(the defaults in `paged_mla.default_block_config` come from it). --budget-s stops
-starting new measurements after that many seconds and reports what finished.
+(the defaults in `paged_mla.default_block_config` come from it); --sweep-fp8 times the
+same over fp8 pages, with larger kv blocks too (1-byte stages leave shared memory for
+them). --budget-s stops starting new measurements after that many seconds and reports
+what finished.
 """
 
 from __future__ import annotations
@@ -53,6 +64,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
 from bench_paged_attention import copy_bandwidth  # noqa: E402
+from pallas_kernels.kv_write import FP8_DTYPE, FP8_MAX  # noqa: E402
 from pallas_kernels.paged_mla import (  # noqa: E402
     MLABlockConfig, default_block_config, paged_mla, paged_mla_reference)
 
@@ -85,12 +97,13 @@ class Budget:
     return self.deadline is not None and time.perf_counter() > self.deadline
 
 
-def kv_bytes(batch, ctx):
-  return batch * ctx * DK * 2
+def kv_bytes(batch, ctx, itemsize=2):
+  """Latent cache bytes attended (bf16: 2 a value, fp8: 1)."""
+  return batch * ctx * DK * itemsize
 
 
-def io_bytes(batch, ctx, q_len):
-  return kv_bytes(batch, ctx) + batch * q_len * H * (DK + V_DIM) * 2
+def io_bytes(batch, ctx, q_len, itemsize=2):
+  return kv_bytes(batch, ctx, itemsize) + batch * q_len * H * (DK + V_DIM) * 2
 
 
 def flops(batch, ctx, q_len):
@@ -111,14 +124,26 @@ def make_inputs(batch, ctx, q_len, key):
   return q, kv, tables.astype(jnp.int32), kv_lens
 
 
-def time_per_call(fn, args, reps):
-  """(compile_s, best_s, median_s) per call of fn(q, kv, table, kv_lens)."""
+def quantize(args):
+  """args with fp8 pages as the cache writes them, plus their kv_scale [2] f32: the
+  latent and the rope part each over amax / 448, clip(x / scale) in float8_e4m3fn."""
   q, kv, tables, kv_lens = args
+  x = kv.astype(jnp.float32)
+  amax = jnp.stack([jnp.abs(x[..., :V_DIM]).max(), jnp.abs(x[..., V_DIM:]).max()])
+  scale = amax / FP8_MAX
+  per_dim = jnp.where(jnp.arange(DK) < V_DIM, scale[0], scale[1])
+  kv8 = jnp.clip(x / per_dim, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+  return q, kv8, tables, kv_lens, scale
+
+
+def time_per_call(fn, args, reps):
+  """(compile_s, best_s, median_s) per call of fn(q, kv, table, kv_lens, *scale)."""
+  q, kv, tables, kv_lens, *scale = args
   sets = tables.shape[0]
 
-  def loop(n, q, kv, tables, kv_lens):
+  def loop(n, q, kv, tables, kv_lens, *scale):
     def body(i, lens):
-      out = fn(q, kv, tables[i % sets], lens)
+      out = fn(q, kv, tables[i % sets], lens, *scale)
       return lens + jnp.isnan(out).any().astype(jnp.int32)
     return lax.fori_loop(0, n, body, kv_lens)
 
@@ -138,29 +163,38 @@ def time_per_call(fn, args, reps):
 
 
 def ours(cfg=None):
-  return lambda q, kv, t, l: paged_mla(q, kv, t, l, v_dim=V_DIM, sm_scale=SM_SCALE,
-                                       backend="gpu", interpret=INTERPRET,
-                                       block_config=cfg)
+  """fn(q, kv, table, kv_lens, *scale): the GPU kernel; scale: () or (kv_scale,)."""
+  def fn(q, kv, t, l, *scale):
+    return paged_mla(q, kv, t, l, v_dim=V_DIM, sm_scale=SM_SCALE,
+                     kv_scale=scale[0] if scale else None, backend="gpu",
+                     interpret=INTERPRET, block_config=cfg)
+  return fn
 
 
-def reference(q, kv, t, l):
-  return paged_mla_reference(q, kv, t, l, v_dim=V_DIM, sm_scale=SM_SCALE)
+def reference(q, kv, t, l, *scale):
+  return paged_mla_reference(q, kv, t, l, v_dim=V_DIM, sm_scale=SM_SCALE,
+                             kv_scale=scale[0] if scale else None)
 
 
-def reference_fits(batch, ctx, q_len):
-  """Whether the reference's temporaries (gather, f32 logits / probs / values) fit."""
-  need = (2 * kv_bytes(batch, ctx) + batch * ctx * V_DIM * 4
-          + 3 * batch * q_len * H * ctx * 4)
+def reference_fits(batch, ctx, q_len, itemsize=2):
+  """Whether the reference's temporaries (gather, its bf16 copy for fp8 pages, the
+  masked copy, f32 logits / probs / values) fit."""
+  copies = 2 if itemsize == 1 else 1   # bf16-sized: the masked copy (and the cast)
+  need = (kv_bytes(batch, ctx, itemsize) + copies * kv_bytes(batch, ctx)
+          + batch * ctx * V_DIM * 4 + 3 * batch * q_len * H * ctx * 4)
   stats = jax.devices()[0].memory_stats() or {}
   limit = stats.get("bytes_limit", 80e9)
   return need < REFERENCE_MAX_FRACTION * limit, need
 
 
+def first_call(fn, args):
+  """fn on args' first table copy, as f32."""
+  q, kv, tables, kv_lens, *scale = args
+  return fn(q, kv, tables[0], kv_lens, *scale).astype(jnp.float32)
+
+
 def max_err(args):
-  q, kv, tables, kv_lens = args
-  a = ours()(q, kv, tables[0], kv_lens).astype(jnp.float32)
-  b = reference(q, kv, tables[0], kv_lens).astype(jnp.float32)
-  return float(jnp.abs(a - b).max())
+  return float(jnp.abs(first_call(ours(), args) - first_call(reference, args)).max())
 
 
 def matmul_rate(reps):
@@ -182,38 +216,72 @@ def matmul_rate(reps):
 def measure(batch, ctx, q_len, fn, reps, copy_bw, mm_rate, key, args=None):
   args = args or make_inputs(batch, ctx, q_len, key)
   compile_s, best, med = time_per_call(fn, args, reps)
-  floor = max(io_bytes(batch, ctx, q_len) / copy_bw, flops(batch, ctx, q_len) / mm_rate)
+  nbytes = io_bytes(batch, ctx, q_len, itemsize=args[1].dtype.itemsize)
+  floor = max(nbytes / copy_bw, flops(batch, ctx, q_len) / mm_rate)
   return dict(compile_s=compile_s, best_s=best, median_s=med,
-              tbs=io_bytes(batch, ctx, q_len) / best / 1e12,
-              pct_copy=100 * io_bytes(batch, ctx, q_len) / best / copy_bw,
+              tbs=nbytes / best / 1e12,
+              pct_copy=100 * nbytes / best / copy_bw,
               tflops=flops(batch, ctx, q_len) / best / 1e12,
               pct_floor=100 * floor / best)
 
 
-def sweep(results, reps, copy_bw, mm_rate, key, budget):
+def fp8_entry(args, batch, ctx, q_len, reps, copy_bw, mm_rate, key, notes):
+  """Time ours and the XLA reference over fp8 copies of args' pages: a results dict with
+  the fp8 byte count, the errors (vs the reference on the fp8 pages, vs ours on args'
+  bf16 pages; NaN where not measured) and one timing per method (None where it fails,
+  logged)."""
+  tag = f"fp8 B={batch} ctx={ctx} Q={q_len}"
+  entry = dict(bytes=io_bytes(batch, ctx, q_len, itemsize=1), max_abs_err=float("nan"),
+               max_abs_err_vs_bf16=float("nan"), ours=None, xla_reference=None)
+  fp8_args = quantize(args)
+  try:
+    got = first_call(ours(), fp8_args)
+    entry["max_abs_err_vs_bf16"] = float(jnp.abs(got - first_call(ours(), args)).max())
+    entry["ours"] = measure(batch, ctx, q_len, ours(), reps, copy_bw, mm_rate, key,
+                            fp8_args)
+  except Exception as e:
+    log(f"ours {tag} failed: {type(e).__name__}: {str(e)[:500]}")
+    return entry
+  fits, need = reference_fits(batch, ctx, q_len, itemsize=1)
+  if not fits:
+    notes.append(f"{tag}: reference skipped (needs about {need / 1e9:.0f} GB of "
+                 "temporaries)")
+    return entry
+  try:
+    entry["max_abs_err"] = float(jnp.abs(got - first_call(reference, fp8_args)).max())
+    entry["xla_reference"] = measure(batch, ctx, q_len, reference, reps, copy_bw, mm_rate,
+                                     key, fp8_args)
+  except Exception as e:
+    log(f"reference {tag} failed: {type(e).__name__}: {str(e)[:300]}")
+    notes.append(f"{tag}: reference failed ({type(e).__name__})")
+  return entry
+
+
+def sweep(results, reps, copy_bw, mm_rate, key, budget, fp8=False):
   """Time block configs at (64, 4k) and split counts at small B; prints and appends.
 
-  Each config is also checked against the reference (max abs error, printed).
+  Each config is also checked against the reference (max abs error, printed). fp8: the
+  pages in float8_e4m3fn (bytes 1 a value), a grid with larger kv blocks too.
   """
   want = {}
 
   def run(batch, ctx, q_len, cfg):
     if budget.spent():
       return float("inf")
-    label = f"sweep B={batch} ctx={ctx} Q={q_len} {cfg}"
+    label = f"sweep{' fp8' if fp8 else ''} B={batch} ctx={ctx} Q={q_len} {cfg}"
     try:
       args = make_inputs(batch, ctx, q_len, key)
-      q, kv, tables, kv_lens = args
+      if fp8:
+        args = quantize(args)
       if (batch, ctx, q_len) not in want:
-        want[batch, ctx, q_len] = reference(q, kv, tables[0], kv_lens).astype(jnp.float32)
-      got = ours(cfg)(q, kv, tables[0], kv_lens).astype(jnp.float32)
-      err = float(jnp.abs(got - want[batch, ctx, q_len]).max())
+        want[batch, ctx, q_len] = first_call(reference, args)
+      err = float(jnp.abs(first_call(ours(cfg), args) - want[batch, ctx, q_len]).max())
       r = measure(batch, ctx, q_len, ours(cfg), reps, copy_bw, mm_rate, key, args)
       log(f"{label}: {r['best_s'] * 1e6:.1f} us, {r['pct_copy']:.0f} % copy, "
           f"{r['tflops']:.0f} TFLOP/s, {r['pct_floor']:.0f} % floor, err {err:.1e} "
           f"(compile {r['compile_s']:.1f} s)")
       results.append(dict(batch=batch, ctx=ctx, q_len=q_len, cfg=str(cfg), max_abs_err=err,
-                          **r))
+                          fp8=fp8, **r))
       return r["best_s"]
     except Exception as e:
       log(f"{label}: FAILED {type(e).__name__}: {str(e)[:400]}")
@@ -222,6 +290,8 @@ def sweep(results, reps, copy_bw, mm_rate, key, budget):
   big = 1 if INTERPRET else 64
   grid = [(64, 8, 32, 2), (64, 8, 64, 2), (64, 8, 32, 3), (64, 8, 16, 3), (32, 4, 32, 2),
           (32, 4, 64, 2), (16, 4, 64, 2), (128, 16, 32, 2)]
+  if fp8:
+    grid += [(64, 8, 128, 2), (64, 8, 64, 3), (32, 4, 128, 2)]
   timed = {}
   for rows, warps, block_k, stages in grid[:2] if INTERPRET else grid:
     cfg = MLABlockConfig(block_k=block_k, rows_per_block=rows, num_warps=warps,
@@ -230,7 +300,7 @@ def sweep(results, reps, copy_bw, mm_rate, key, budget):
     t4 = run(big, CTXS[0], 4, cfg)
     timed[cfg] = t1 + t4
   best = min(timed, key=timed.get)
-  log(f"sweep best at (B={big}, ctx={CTXS[0]}), Q=1 + Q=4: {best}")
+  log(f"sweep{' fp8' if fp8 else ''} best at (B={big}, ctx={CTXS[0]}), Q=1 + Q=4: {best}")
   small = [(1, 4096, 1, (16, 32, 64)), (8, 4096, 1, (4, 8, 16)), (1, 16384, 1, (32, 64)),
            (1, 4096, 4, (4, 8, 16))]
   for batch, ctx, q_len, splits in [(1, 64, 1, (2,))] if INTERPRET else small:
@@ -256,11 +326,34 @@ def table_row(batch, ctx, q_len, e, ratio):
   return "| " + " | ".join(map(str, cells)) + " |"
 
 
+def fp8_row(e):
+  """One markdown row of the fp8 table from a main-table entry holding e['fp8']."""
+  f, r, b = e["fp8"]["ours"], e["fp8"]["xla_reference"], e.get("ours")
+
+  def us(x):
+    return f"{x['best_s'] * 1e6:.1f} / {x['median_s'] * 1e6:.1f}" if x else "n/a"
+
+  def tbs(x):
+    return f"{x['tbs']:.2f} ({x['pct_copy']:.0f} %)" if x else "n/a"
+
+  cells = [e["batch"], e["ctx"], e["q_len"], us(f), tbs(f),
+           f"{f['tflops']:.0f}" if f else "n/a",
+           f"{f['pct_floor']:.0f} %" if f else "n/a",
+           f"{b['best_s'] * 1e6:.1f}" if b else "n/a",
+           f"{f['best_s'] / b['best_s']:.2f}" if f and b else "n/a",
+           us(r), tbs(r), f"{e['fp8']['max_abs_err']:.1e}",
+           f"{e['fp8']['max_abs_err_vs_bf16']:.1e}"]
+  return "| " + " | ".join(map(str, cells)) + " |"
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", help="write the raw results (JSON) here")
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--sweep", action="store_true", help="also time a grid of block configs")
+  ap.add_argument("--sweep-fp8", action="store_true",
+                  help="also time a grid of block configs over fp8 pages")
+  ap.add_argument("--no-fp8", action="store_true", help="skip the fp8 table")
   ap.add_argument("--no-table", action="store_true", help="skip the main table")
   ap.add_argument("--budget-s", type=float, default=None,
                   help="start no new measurement after this many seconds")
@@ -285,7 +378,7 @@ def main():
   log(limits)
 
   key = jax.random.key(0)
-  raw, rows, notes = [], [], []
+  raw, rows, fp8_rows, notes = [], [], [], []
   for batch in [] if opts.no_table else BATCHES:
     for ctx in CTXS:
       per_q = {}
@@ -323,6 +416,12 @@ def main():
             notes.append(f"B={batch} ctx={ctx} Q={q_len}: reference failed "
                          f"({type(e).__name__})")
             entry["xla_reference"] = None
+        if not opts.no_fp8 and budget.spent():
+          notes.append(f"fp8 B={batch} ctx={ctx} Q={q_len}: not run (time budget spent)")
+        elif not opts.no_fp8:
+          entry["fp8"] = fp8_entry(args, batch, ctx, q_len, opts.reps, copy_bw, mm_rate, key,
+                                   notes)
+          fp8_rows.append(fp8_row(entry))
         per_q[q_len] = entry
         raw.append(entry)
         log(json.dumps(entry))
@@ -343,11 +442,26 @@ def main():
       "| ref / ours time | ours Q=4 / Q=1 time | max abs err vs ref |",
       "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
       *rows,
+      *([] if not fp8_rows else [
+          "",
+          "fp8 latent cache: the same shapes with the pages in float8_e4m3fn (latent and "
+          "rope scales, amax / 448 each), q bf16. Bytes: 1 per cached value; limits as "
+          "above. Errors: fp8 ours vs the XLA reference on the same fp8 pages, and vs ours "
+          "on the bf16 pages (the quantization).",
+          "",
+          "| B | ctx | Q | fp8 ours us best / median | fp8 ours TB/s (% copy) "
+          "| fp8 ours TFLOP/s | fp8 ours % of floor | bf16 ours us best | fp8 / bf16 time "
+          "| fp8 XLA ref us best / median | fp8 XLA ref TB/s (% copy) "
+          "| max abs err vs fp8 ref | max abs err vs bf16 |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+          *fp8_rows]),
       *[f"note: {n}" for n in notes],
   ])
   sweep_results = []
   if opts.sweep:
     sweep(sweep_results, opts.reps, copy_bw, mm_rate, key, budget)
+  if opts.sweep_fp8:
+    sweep(sweep_results, opts.reps, copy_bw, mm_rate, key, budget, fp8=True)
   if opts.out:
     with open(opts.out, "w") as f:
       json.dump(dict(header=header, copy=copy, matmul_flops=mm_rate, results=raw,

@@ -9,6 +9,8 @@ dim, v latent dim):
                                       latent c_kv (kv_lora_rank), [..., v_dim:] the rope key
   block_tables [B, max_pages] int32   page ids into num_pages
   kv_lens      [B] int32              KV length per row, counting the Q new tokens
+  kv_scale     [2] f32 or None        dequantization scales (fp8 cache, below): the latent
+                                      part's and the rope part's; None means 1.0
   out          [B, Q, H, v_dim]       latent outputs (the caller applies W_uv)
 
 scores = q . kv (all Dk dims) * sm_scale and values = kv[..., :v_dim]: the latent cache is
@@ -23,11 +25,28 @@ see nothing return exactly 0. Masked positions never contribute, whatever the pa
 hold there (NaN included). Block-table entries past what kv_len needs may be any
 in-range page id; the table itself is never read out of bounds.
 
+fp8 latent cache: kv_pages may be float8_e4m3fn (1 byte a value: half the bytes decode
+reads) while q stays bfloat16 or float32 (the compute dtype); otherwise q and kv_pages
+dtypes match. The logical cache row is concat(kv_pages[..., :v_dim] * kv_scale[0],
+kv_pages[..., v_dim:] * kv_scale[1]): two scales because the normed latent and the rope
+key have different magnitudes. The scales mean the same whatever the page dtype (bf16
+pages with scales are scaled too); they are a traced array, and each must be positive
+and finite. Nothing is dequantized in HBM: the scales are folded into q (small) and the
+output. q . row = (q[..., :v_dim] * s0) . lat + (q[..., v_dim:] * s1) . rope, so the
+wrapper scales q's two parts (in f32, back to q's dtype), and the values are s0 * lat,
+so it multiplies the normalised latent output by s0 (sum_k p_k s0 lat_k = s0 sum_k p_k
+lat_k). The kernels see only q' and the stored pages, converting a loaded fp8 block to
+the compute dtype right away (exact: every e4m3 value is a bf16 and an f16); split-K
+partials and their combine never meet a scale. The reference applies the scales the
+same way.
+
 Cost: with H * Q packed rows, every kv entry costs 2 * H * Q * (Dk + v_dim) flops for
 Dk * itemsize bytes, about 2 * H * Q flops per byte. An H100's ridge point is about 220
 flops per byte (3.0 TB/s copy, 655 TFLOP/s XLA bf16 matmul, both measured), so at
 H = 128 decode (Q = 1) is already at the ridge and verify (Q = 4) is compute bound: four
-times the matrix work of decode for the same bytes, which no kernel can hide.
+times the matrix work of decode for the same bytes, which no kernel can hide. fp8 pages
+halve the bytes for the same flops (about 4 * H * Q flops a byte), so at H = 128 they
+shorten only what the page reads cost, not the matrix work.
 
 Backends: `paged_mla_gpu` (Pallas Triton, split-K flash-decoding), `paged_mla_tpu`
 (Mosaic TPU, double-buffered page DMAs) and `paged_mla_reference` (pure jnp, also the
@@ -46,6 +65,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import next_pow2, resolve_backend
+from pallas_kernels.kv_write import FP8_DTYPE  # the quantized page dtype
 
 BACKEND_ENV_VAR = "MTP_JAX_MLA_BACKEND"
 
@@ -90,7 +110,9 @@ def gpu_dim_tile(n: int) -> int:
 
 def default_block_config(batch, q_len, num_heads, page_size, max_pages, head_dim, dtype,
                          backend, num_cores=None) -> MLABlockConfig:
-  """Block sizes from the shapes.
+  """Block sizes from the shapes. dtype: q's (the compute dtype). fp8 pages take their
+  q's sizes, and dtype=float8_e4m3fn gives bf16's (not tuned for fp8 pages: the bench's
+  --sweep-fp8 times the candidates).
 
   GPU, from a sweep on an H100 (jax 0.11.2) at H = 128, Dk = 576, bf16, B = 64, 4k
   context: 64-row tiles on 8 warps (at H = 128 a tile is 64 heads of one query row) and
@@ -135,7 +157,7 @@ def _resolve_backend(backend):
   return resolve_backend(backend, BACKEND_ENV_VAR, "paged-MLA")
 
 
-def _check_inputs(q, kv_pages, block_tables, kv_lens, v_dim, sm_scale):
+def _check_inputs(q, kv_pages, block_tables, kv_lens, v_dim, sm_scale, kv_scale=None):
   if q.ndim != 4:
     raise ValueError(f"q must be [B, Q, H, Dk], got shape {q.shape}.")
   batch, _, _, head_dim = q.shape
@@ -149,8 +171,13 @@ def _check_inputs(q, kv_pages, block_tables, kv_lens, v_dim, sm_scale):
       or not 0 < v_dim <= head_dim):
     raise ValueError(f"v_dim (kv_lora_rank) must be an int in [1, Dk={head_dim}], got "
                      f"{v_dim!r}.")
-  if q.dtype != kv_pages.dtype:
-    raise ValueError(f"q and kv_pages dtypes differ: {q.dtype} and {kv_pages.dtype}.")
+  if kv_pages.dtype == FP8_DTYPE:
+    if q.dtype not in (jnp.bfloat16, jnp.float32):
+      raise ValueError(f"float8_e4m3fn pages need a bfloat16 or float32 q (the compute "
+                       f"dtype), got {q.dtype}.")
+  elif q.dtype != kv_pages.dtype:
+    raise ValueError(f"q and kv_pages dtypes differ: {q.dtype} and {kv_pages.dtype} (they "
+                     "must match, or the pages be float8_e4m3fn).")
   if block_tables.ndim != 2 or block_tables.shape[0] != batch:
     raise ValueError(f"block_tables must be [B={batch}, max_pages], got {block_tables.shape}.")
   if kv_lens.shape != (batch,):
@@ -161,11 +188,33 @@ def _check_inputs(q, kv_pages, block_tables, kv_lens, v_dim, sm_scale):
   if (not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool)
       or not math.isfinite(sm_scale) or sm_scale <= 0):
     raise ValueError(f"sm_scale must be a positive finite Python number, got {sm_scale!r}.")
+  if kv_scale is not None:
+    shape = getattr(kv_scale, "shape", type(kv_scale).__name__)
+    if shape != (2,):
+      raise ValueError("kv_scale must be [2] (the latent part's and the rope part's scale) "
+                       f"or None, got shape {shape}.")
+    if not jnp.issubdtype(kv_scale.dtype, jnp.floating):
+      raise ValueError(f"kv_scale must be a float array, got {kv_scale.dtype}.")
 
 
-def check_tiling(backend, *, v_dim, head_dim, page_size, dtype, cfg: MLABlockConfig):
-  """Raise ValueError when `backend`'s kernel cannot tile these shapes with `cfg`."""
+def scale_queries(q, kv_scale, v_dim):
+  """q with the cache's scales folded in: q[..., :v_dim] * kv_scale[0] and q[..., v_dim:]
+  * kv_scale[1], multiplied in f32 and returned in q's dtype (module docstring)."""
+  s = kv_scale.astype(jnp.float32)
+  per_dim = jnp.where(jnp.arange(q.shape[-1]) < v_dim, s[0], s[1])
+  return (q.astype(jnp.float32) * per_dim).astype(q.dtype)
+
+
+def check_tiling(backend, *, v_dim, head_dim, page_size, dtype, cfg: MLABlockConfig,
+                 q_dtype=None):
+  """Raise ValueError when `backend`'s kernel cannot tile these shapes with `cfg`.
+
+  dtype: the pages'. q_dtype: the queries'; None means dtype, or bfloat16 for fp8 pages
+  (the narrowest q they take, so the strictest row tiling).
+  """
   rope_dim = head_dim - v_dim
+  if q_dtype is None:
+    q_dtype = jnp.bfloat16 if jnp.dtype(dtype).itemsize == 1 else dtype
   if backend == "gpu":
     for name, n in (("block_k", cfg.block_k), ("rows_per_block", cfg.rows_per_block)):
       if n < 16 or n & (n - 1):
@@ -173,8 +222,9 @@ def check_tiling(backend, *, v_dim, head_dim, page_size, dtype, cfg: MLABlockCon
                          f">= 16 (Triton tiles are powers of two; tensor-core dots need "
                          f">= 16), got {n}.")
     return
-  # TPU (Mosaic): lane width 128, sublane tile 8 rows of 32 bits.
+  # TPU (Mosaic): lane width 128, sublane tile 8 rows of 32 bits (16 of 16 bits, 32 of 8).
   sublanes = 8 * (4 // jnp.dtype(dtype).itemsize)
+  q_sublanes = 8 * (4 // jnp.dtype(q_dtype).itemsize)
   if v_dim % 128:
     raise ValueError(
         f"TPU paged MLA needs v_dim (kv_lora_rank) to be a multiple of 128, got {v_dim}: "
@@ -187,26 +237,31 @@ def check_tiling(backend, *, v_dim, head_dim, page_size, dtype, cfg: MLABlockCon
   if cfg.block_k % page_size:
     raise ValueError(f"TPU paged MLA copies whole pages: MLABlockConfig.block_k "
                      f"({cfg.block_k}) must be a multiple of page_size ({page_size}).")
-  if cfg.rows_per_block % sublanes:
+  if cfg.rows_per_block % q_sublanes:
     raise ValueError(f"TPU paged MLA needs MLABlockConfig.rows_per_block to be a multiple "
-                     f"of {sublanes} for {jnp.dtype(dtype).name}, got {cfg.rows_per_block}.")
+                     f"of {q_sublanes} for {jnp.dtype(q_dtype).name} queries, got "
+                     f"{cfg.rows_per_block}.")
   if cfg.num_splits != 1:
     raise ValueError("The TPU kernel runs one KV split; set MLABlockConfig.num_splits=1.")
 
 
 @functools.partial(jax.jit, static_argnames=("v_dim", "sm_scale", "block_config"))
 def paged_mla_reference(q, kv_pages, block_tables, kv_lens, *, v_dim, sm_scale,
-                        block_config=None):
+                        kv_scale=None, block_config=None):
   """Pure-jnp paged MLA: gather every table page, dense masked softmax.
 
   Same signature and result as `paged_mla` (block_config is accepted and ignored).
+  kv_scale is applied as the kernels apply it: folded into q and the output, with the
+  pages converted to q's dtype (exact for fp8).
   """
   del block_config
-  _check_inputs(q, kv_pages, block_tables, kv_lens, v_dim, sm_scale)
+  _check_inputs(q, kv_pages, block_tables, kv_lens, v_dim, sm_scale, kv_scale)
   batch, q_len, _, head_dim = q.shape
   precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+  if kv_scale is not None:
+    q = scale_queries(q, kv_scale, v_dim)
 
-  kv = kv_pages[block_tables].reshape(batch, -1, head_dim)         # [B, K, Dk]
+  kv = kv_pages[block_tables].reshape(batch, -1, head_dim).astype(q.dtype)  # [B, K, Dk]
   pos = jnp.arange(kv.shape[1])                                    # [K]
   q_pos = kv_lens[:, None] - q_len + jnp.arange(q_len)             # [B, Q]
   mask = pos[None, None, :] <= q_pos[:, :, None]                   # [B, Q, K]
@@ -226,15 +281,20 @@ def paged_mla_reference(q, kv_pages, block_tables, kv_lens, *, v_dim, sm_scale,
   # in a visible position must come out as NaN, not be swallowed as 0.
   seen = l != 0.0
   o = jnp.where(seen[..., None], o / jnp.where(seen, l, 1.0)[..., None], 0.0)
+  if kv_scale is not None:  # the values are the latent part times its scale
+    o = o * kv_scale[0].astype(jnp.float32)
   return o.astype(q.dtype)
 
 
-def paged_mla(q, kv_pages, block_tables, kv_lens, *, v_dim, sm_scale, backend=None,
-              interpret=False, block_config=None):
+def paged_mla(q, kv_pages, block_tables, kv_lens, *, v_dim, sm_scale, kv_scale=None,
+              backend=None, interpret=False, block_config=None):
   """Paged MLA attention over the pages named by `block_tables` (module docstring).
 
   v_dim: the latent width (kv_lora_rank); Dk - v_dim is the rope width. sm_scale: the
   softmax scale (DeepSeek: 1 / sqrt(qk_nope + qk_rope head dim), times its mscale^2).
+  kv_scale: None (1.0) or a [2] float traced array, (latent scale, rope scale): the
+  logical cache row is concat(kv_pages[..., :v_dim] * kv_scale[0], kv_pages[..., v_dim:]
+  * kv_scale[1]); for fp8 (float8_e4m3fn) pages, and applied to pages of any dtype.
   backend: None -> $MTP_JAX_MLA_BACKEND or jax.default_backend() ('cpu' runs the
   reference); or 'gpu', 'tpu', 'reference'. Resolved here, outside jit, so the env var
   is read on every call. interpret=True runs the chosen Pallas kernel in interpret mode
@@ -251,28 +311,31 @@ def paged_mla(q, kv_pages, block_tables, kv_lens, *, v_dim, sm_scale, backend=No
     sm_scale = float(sm_scale)
   if backend == "reference":
     return paged_mla_reference(q, kv_pages, block_tables, kv_lens, v_dim=v_dim,
-                               sm_scale=sm_scale)
+                               sm_scale=sm_scale, kv_scale=kv_scale)
   if block_config is not None and not isinstance(block_config, MLABlockConfig):
     raise TypeError("block_config must be an MLABlockConfig, got "
                     f"{type(block_config).__name__}.")
   return _paged_mla_kernel(q, kv_pages, block_tables, kv_lens, v_dim=v_dim,
-                           sm_scale=sm_scale, backend=backend, interpret=interpret,
-                           block_config=block_config)
+                           sm_scale=sm_scale, kv_scale=kv_scale, backend=backend,
+                           interpret=interpret, block_config=block_config)
 
 
 @functools.partial(jax.jit, static_argnames=("v_dim", "sm_scale", "backend", "interpret",
                                              "block_config"))
-def _paged_mla_kernel(q, kv_pages, block_tables, kv_lens, *, v_dim, sm_scale, backend,
-                      interpret, block_config):
-  """Pack the query rows, run the backend's kernel, unpack."""
-  _check_inputs(q, kv_pages, block_tables, kv_lens, v_dim, sm_scale)
+def _paged_mla_kernel(q, kv_pages, block_tables, kv_lens, *, v_dim, sm_scale, kv_scale,
+                      backend, interpret, block_config):
+  """Fold the scales into q, pack the query rows, run the backend's kernel, unpack and
+  scale the output."""
+  _check_inputs(q, kv_pages, block_tables, kv_lens, v_dim, sm_scale, kv_scale)
   batch, q_len, num_heads, head_dim = q.shape
   _, page_size, _ = kv_pages.shape
   cfg = block_config or default_block_config(
       batch, q_len, num_heads, page_size, block_tables.shape[1], head_dim, q.dtype, backend,
       num_cores=132 if interpret else None)
-  check_tiling(backend, v_dim=v_dim, head_dim=head_dim, page_size=page_size, dtype=q.dtype,
-               cfg=cfg)
+  check_tiling(backend, v_dim=v_dim, head_dim=head_dim, page_size=page_size,
+               dtype=kv_pages.dtype, q_dtype=q.dtype, cfg=cfg)
+  if kv_scale is not None:
+    q = scale_queries(q, kv_scale, v_dim)
 
   # Pack rows: [B, Q, H, Dk] -> [B, Q*H, Dk] (row = i*H + h), padded to the tile.
   rows = q_len * num_heads
@@ -290,4 +353,7 @@ def _paged_mla_kernel(q, kv_pages, block_tables, kv_lens, *, v_dim, sm_scale, ba
   else:
     from pallas_kernels.paged_mla_tpu import paged_mla_tpu
     out = paged_mla_tpu(qp, kv_pages, block_tables, kv_lens, **common)
-  return out[:, :rows, :v_dim].reshape(batch, q_len, num_heads, v_dim)
+  out = out[:, :rows, :v_dim].reshape(batch, q_len, num_heads, v_dim)
+  if kv_scale is not None:  # the values are the latent part times its scale
+    out = (out.astype(jnp.float32) * kv_scale[0].astype(jnp.float32)).astype(q.dtype)
+  return out

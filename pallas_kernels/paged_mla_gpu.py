@@ -29,6 +29,13 @@ at 10 % (34 % of the compute floor). Both are bound by the matrix work, not the 
 reads; why the tiles reach only a third of the matmul rate was not profiled (the
 64 x 512 f32 accumulator per tile, 128 registers a thread, is the first suspect: 128-row
 tiles did not compile for lack of registers).
+
+fp8 pages are loaded as 1-byte values and converted in registers right after the gather
+(half the HBM bytes of bf16). Under bf16 queries the tile computes in float16: e4m3 ->
+f16 is one packed conversion while e4m3 -> bf16 goes through f32 (two more a value);
+the scaled q and the softmax weights fit f16's range at attention's magnitudes, and its
+mantissa is finer than bf16's. The dots accumulate in f32 either way. The kv_scale
+factors never reach this kernel (`paged_mla` folds them into q and the output).
 """
 
 from __future__ import annotations
@@ -99,9 +106,12 @@ def _kernel(kv_lens_ref, bt_ref, q_ref, kv_ref, *out_refs, sm_scale, q_len, num_
   begin = split * per_split
   end = jnp.minimum(begin + per_split, num_blocks)
 
-  q_lat = _load_cols(q_ref, 0, v_dim, v_tile)
-  q_rope = _load_cols(q_ref, v_dim, rope_dim, r_tile) if rope_dim else None
-  precision = lax.Precision.HIGHEST if q_lat.dtype == jnp.float32 else None
+  # fp8 pages under bf16 queries compute in float16 (module docstring).
+  fp8_under_bf16 = kv_ref.dtype == jnp.float8_e4m3fn and q_ref.dtype == jnp.bfloat16
+  compute = jnp.float16 if fp8_under_bf16 else q_ref.dtype
+  q_lat = _load_cols(q_ref, 0, v_dim, v_tile).astype(compute)
+  q_rope = _load_cols(q_ref, v_dim, rope_dim, r_tile).astype(compute) if rope_dim else None
+  precision = lax.Precision.HIGHEST if compute == jnp.float32 else None
   row = tile * rows + lax.broadcasted_iota(jnp.int32, (rows, block_k), 0)
   col = lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
   offsets = jnp.arange(block_k, dtype=jnp.int32)
@@ -116,11 +126,12 @@ def _kernel(kv_lens_ref, bt_ref, q_ref, kv_ref, *out_refs, sm_scale, q_len, num_
     page = bt_ref[jnp.minimum(lax.div(pos, page_size), max_pages - 1)]
     slot = lax.rem(pos, page_size)
     live = pos < hi if masked else None
-    lat = _gather_kv(kv_ref, page, slot, live, 0, v_dim, v_tile)
+    # fp8 pages: to the compute dtype right after the load (exact for e4m3 values).
+    lat = _gather_kv(kv_ref, page, slot, live, 0, v_dim, v_tile).astype(compute)
     s = lax.dot_general(q_lat, lat, nt, precision=precision,
                         preferred_element_type=jnp.float32)
     if rope_dim:
-      rope = _gather_kv(kv_ref, page, slot, live, v_dim, rope_dim, r_tile)
+      rope = _gather_kv(kv_ref, page, slot, live, v_dim, rope_dim, r_tile).astype(compute)
       s += lax.dot_general(q_rope, rope, nt, precision=precision,
                            preferred_element_type=jnp.float32)
     s = s * sm_scale
@@ -151,7 +162,8 @@ def _kernel(kv_lens_ref, bt_ref, q_ref, kv_ref, *out_refs, sm_scale, q_len, num_
 def paged_mla_gpu(q_packed, kv_pages, block_tables, kv_lens, *, q_len, num_heads, v_dim,
                   sm_scale, block_k, num_splits, rows_per_block, num_warps, num_stages,
                   interpret):
-  """q_packed [B, R, Dk] (R a multiple of rows_per_block) -> [B, R, v_tile] in q's dtype.
+  """q_packed [B, R, Dk] (R a multiple of rows_per_block), pages in q's dtype or fp8 ->
+  [B, R, v_tile] in q's dtype.
 
   v_tile = gpu_dim_tile(v_dim); columns past v_dim are zero.
   """

@@ -15,6 +15,13 @@ accumulator is 512 KiB, far more than the vector registers); the running max and
 are loop carries. A TensorCore runs its grid sequentially, so there is no split-K
 here. Copies index the HBM ref with `.at[page]` and write `buf.at[slot, pl.ds(...)]`:
 no ref reshape or bitcast, which TPU interpret mode cannot run.
+
+fp8 pages are copied as 1-byte data into a 1-byte VMEM buffer and converted to q's
+dtype (through f32: Mosaic converts between float types only by way of f32) right after
+the buffer read; the kv_scale factors never reach this kernel (`paged_mla` folds them
+into q and the output). A VMEM tile of 8-bit data is (32, 128), so fp8 pages need
+page_size % 32 == 0 for every page copy to fill whole tiles (`paged_mla.check_tiling`).
+Only interpret mode has run this kernel over fp8 pages.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.paged_attention import MASK_VALUE, tile_kv_range, visible_mask
+from pallas_kernels.paged_attention_tpu import _to_compute  # fp8 -> q's dtype, via f32
 
 
 def _kernel(kv_lens_ref, bt_ref, q_ref, kv_hbm, o_ref, kv_buf, acc_ref, sems, *,
@@ -91,12 +99,14 @@ def _kernel(kv_lens_ref, bt_ref, q_ref, kv_hbm, o_ref, kv_buf, acc_ref, sems, *,
     pos0 = j * block_k
     # Slots past `hi` hold stale or never-copied data (maybe NaN): zero the latent part,
     # which is also the V. The rope part only reaches masked score columns.
-    lat = kv_buf[slot, :, :v_dim]
+    # fp8 pages: to q's dtype right after the buffer read (exact for e4m3 values).
+    lat = _to_compute(kv_buf[slot, :, :v_dim], q_lat.dtype)
     lat = jnp.where(pos0 + kv_row < hi, lat, jnp.zeros_like(lat))
     s = lax.dot_general(q_lat, lat, nt, precision=precision,
                         preferred_element_type=jnp.float32)
     if rope_dim:
-      s += lax.dot_general(q_rope, kv_buf[slot, :, v_dim:], nt, precision=precision,
+      rope = _to_compute(kv_buf[slot, :, v_dim:], q_lat.dtype)
+      s += lax.dot_general(q_rope, rope, nt, precision=precision,
                            preferred_element_type=jnp.float32)
     mask = visible_mask(row, pos0 + col, kv_len=kv_len, q_len=q_len, group=num_heads,
                         window=None, kv_capacity=kv_capacity)
@@ -119,7 +129,8 @@ def _kernel(kv_lens_ref, bt_ref, q_ref, kv_hbm, o_ref, kv_buf, acc_ref, sems, *,
 
 def paged_mla_tpu(q_packed, kv_pages, block_tables, kv_lens, *, q_len, num_heads, v_dim,
                   sm_scale, block_k, rows_per_block, interpret):
-  """q_packed [B, R, Dk] (R a multiple of rows_per_block) -> [B, R, v_dim]."""
+  """q_packed [B, R, Dk] (R a multiple of rows_per_block), pages in q's dtype or fp8 ->
+  [B, R, v_dim]."""
   batch, rows, head_dim = q_packed.shape
   _, page_size, _ = kv_pages.shape
   max_pages = block_tables.shape[1]
