@@ -965,11 +965,12 @@ def load_kv_scales(path: str, cfg: ModelConfig) -> Optional[tuple]:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{f}: unreadable: {type(e).__name__}: {e}") from None
     want = cfg.num_layers + cfg.num_mtp_modules
-    heads = [cfg.heads_of(i)[1] for i in range(want)]
-    if len(scales) != want or any(len(k) != h or len(v) != h
-                                  for (k, v), h in zip(scales, heads)):
+    # per layer (k, v) scale counts: a latent (MLA) row has two parts and no v
+    shape = [(2, 0) if cfg.mla is not None else (cfg.heads_of(i)[1],) * 2
+             for i in range(want)]
+    if len(scales) != want or any((len(k), len(v)) != s for (k, v), s in zip(scales, shape)):
         raise CheckpointError(f"{f}: {len(scales)} layers of scales, the model has {want} "
-                              f"layers with kv heads {heads}")
+                              f"layers with (k, v) scale counts {shape}")
     if not all(x > 0 and np.isfinite(x) for kv in scales for s in kv for x in s):
         raise CheckpointError(f"{f}: scales must be positive and finite")
     return scales

@@ -122,7 +122,7 @@ class Engine:
         compile_cache.enable()  # warm starts; $MTP_JAX_COMPILE_CACHE=off disables
         eng = dataclasses.replace(config or EngineConfig(), **overrides)
         scales = None
-        if eng.kv_dtype == "fp8" and model.config.mla is None:
+        if eng.kv_dtype == "fp8":
             if model.kv_scales is None:  # calibrated once per model, kept with it
                 model.kv_scales = calibrate_kv_scales(model)
             scales = model.kv_scales

@@ -64,7 +64,8 @@ class KVLayout:
     dtype: str
     latent: bool = False  # MLA: one cached row per token, keys and values in one
     # fp8 pages: per layer (k scales [kv heads], v scales [kv heads]); the stored value
-    # times its head's scale is the key / value (quant.calibrate_kv_scales)
+    # times its head's scale is the key / value (quant.calibrate_kv_scales). A latent
+    # layer: ((latent scale, rope scale), ()), for the row's two parts
     scales: Optional[tuple] = None
 
     @property
@@ -116,9 +117,6 @@ def make_layout(cfg: ModelConfig, eng: EngineConfig, k: int, dtype, *,
     """
     n_mtp = cfg.num_mtp_modules if mtp_layers is None else mtp_layers
     if eng.kv_dtype == "fp8":
-        if cfg.mla is not None:
-            raise ConfigError("kv_dtype='fp8' is implemented for GQA caches; a latent (MLA) "
-                              "cache is stored in the model's dtype (leave kv_dtype unset)")
         if scales is None:
             raise ValueError("an fp8 KV layout needs per-layer scales")
         dtype = FP8_KV_DTYPE
@@ -257,15 +255,21 @@ class PagedKV:
         self.dp = batch_axis(mesh, rows) if batch_sharded else None
 
     def _scales(self, layer):
-        """(k scale [H], v scale [H]) f32 of an fp8 layer, else ()."""
+        """(k scale [H], v scale [H]) f32 of an fp8 layer, ((latent, rope) [2],) of an
+        fp8 latent layer, else ()."""
         if self.layout.scales is None:
             return ()
-        return tuple(jnp.asarray(s, jnp.float32) for s in self.layout.scales[layer])
+        return tuple(jnp.asarray(s, jnp.float32) for s in self.layout.scales[layer] if s)
 
-    def _write(self, pages, k, v, slots, scales):
+    def _write(self, pages, k, v, slots, scales, v_dim=None):
         dp, tp = self.dp, kv_heads_axis(self.mesh, pages[0].shape[0])
         new = (k,) if v is None else (k, v)  # a latent cache is one array
         n = len(new)
+
+        if v is None and scales:  # a latent row's two parts, each over its own scale
+            (parts,), scales = scales, ()
+            per_dim = jnp.where(jnp.arange(k.shape[-1]) < v_dim, parts[0], parts[1])
+            new = (k.astype(jnp.float32) / per_dim,)  # stored as is (fp8 saturates)
 
         def write(*args):
             pages, rows, slots = args[:n], args[n:2 * n], args[2 * n]
@@ -292,14 +296,15 @@ class PagedKV:
             # tp and the query heads split over it.
             heads = kv_heads_axis(self.mesh, q.shape[2])
 
-            def attn(q, kv, table, kv_lens):
+            def attn(q, kv, table, kv_lens, *parts):
                 return mla_kernel.paged_mla(q, kv[0], table, kv_lens, v_dim=v_dim,
-                                            sm_scale=sm_scale, backend=self.backend)
+                                            sm_scale=sm_scale, backend=self.backend,
+                                            **({"kv_scale": parts[0]} if parts else {}))
 
             rows = P(dp, None, heads, None)
             fn = shard_kernel(attn, self.mesh, (rows, P(None, None, None, None), P(dp, None),
-                                                P(dp)), rows)
-            return fn(q, pages[0], table, kv_lens)
+                                                P(dp)) + (P(None),) * len(scales), rows)
+            return fn(q, pages[0], table, kv_lens, *scales)
 
         has_sinks = sinks is not None
 
@@ -326,7 +331,7 @@ class PagedKV:
             if (v is None) != self.layout.latent:
                 raise ValueError("latent attention needs a latent KV layout, and only it")
             scales = self._scales(layer)
-            pages = self._write(self.caches[layer], k, v, slots[g], scales)
+            pages = self._write(self.caches[layer], k, v, slots[g], scales, v_dim)
             self.caches[layer] = pages
             return self._attend(q, pages, self.block_tables[g], kv_lens, window, sm_scale,
                                 v_dim, sinks, scales)

@@ -364,7 +364,8 @@ like this and then fixed, so every request sees the same numbers.
 
 def calibrate_kv_scales(model, token_rows=None, margin: float = KV_MARGIN) -> tuple:
     """Per cache layer (target layers, then MTP modules): (k scales [H], v scales [H]) for
-    an fp8 KV cache, from the largest |key| / |value| each kv head produces over
+    an fp8 KV cache (a latent MLA layer: ((latent scale, rope scale), ()), the row's two
+    parts), from the largest |key| / |value| each kv head (part) produces over
     `token_rows` ([b, T] token ids; default CALIBRATION_TEXT through the tokenizer, or
     random ids without one) times `margin`, over fp8's largest value 448. A token whose
     keys exceed that later is saturated (clipped), not turned into Inf."""
@@ -390,9 +391,12 @@ def calibrate_kv_scales(model, token_rows=None, margin: float = KV_MARGIN) -> tu
             inner = causal_attend(positions)
 
             def attend(layer, q, k, v, window, *, sm_scale=None, v_dim=None, sinks=None):
-                vals = k[..., :v_dim] if v is None else v
-                got = tuple(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(0, 1, 3))
-                            for x in (k, vals))
+                def amax(x, axis):
+                    return jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis)
+                if v is None:  # a latent row: its latent and rope parts, one scale each
+                    got = (jnp.stack([amax(k[..., :v_dim], None), amax(k[..., v_dim:], None)]),)
+                else:  # per kv head, keys and values
+                    got = (amax(k, (0, 1, 3)), amax(v, (0, 1, 3)))
                 old = seen.get(layer)
                 seen[layer] = got if old is None else tuple(map(jnp.maximum, old, got))
                 return inner(layer, q, k, v, window, sm_scale=sm_scale, v_dim=v_dim,
@@ -408,7 +412,8 @@ def calibrate_kv_scales(model, token_rows=None, margin: float = KV_MARGIN) -> tu
         a = np.asarray(a, np.float64) * margin / FP8_MAX
         return tuple(float(x) if x > 0 and np.isfinite(x) else 1.0 for x in a)
 
-    return tuple((scales(seen[i][0]), scales(seen[i][1])) for i in sorted(seen))
+    return tuple((scales(seen[i][0]), scales(seen[i][1]) if len(seen[i]) == 2 else ())
+                 for i in sorted(seen))
 
 
 def fp8_kv_attend(scales):
@@ -430,8 +435,12 @@ def fp8_kv_attend(scales):
 
         def attend(layer, q, k, v, window, *, sm_scale=None, v_dim=None, sinks=None):
             ks, vs = scales[layer]
-            k = rounded(k, ks)
-            v = None if v is None else rounded(v, vs)
+            if v is None:  # a latent row: its two parts over their own scales
+                per_dim = jnp.where(jnp.arange(k.shape[-1]) < v_dim, ks[0], ks[1])
+                back = quantize_rows(k.astype(jnp.float32) / per_dim, None, jnp.float8_e4m3fn)
+                k = (back.astype(jnp.float32) * per_dim).astype(k.dtype)
+            else:
+                k, v = rounded(k, ks), rounded(v, vs)
             return inner(layer, q, k, v, window, sm_scale=sm_scale, v_dim=v_dim, sinks=sinks)
         return attend
 

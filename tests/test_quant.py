@@ -296,12 +296,31 @@ def dataclasses_replace(obj, **kw):
     return dataclasses.replace(obj, **kw)
 
 
-def test_fp8_kv_for_a_latent_cache_is_refused():
+def test_fp8_latent_cache_for_mla():
+    """DeepSeek's latent cache in fp8: one scale for the latent part and one for the rope
+    part of every row; speculative greedy output equals plain decoding's, and the
+    engine's first greedy tokens equal a teacher-forced forward over fp8-rounded keys."""
     import test_golden as G
-    from mtp_jax.config import ConfigError
-    from mtp_jax.engine import Engine
+    from mtp_jax.engine import Engine, Request
+    from mtp_jax.mtp import forward_train
+    from flax import nnx
 
-    model, _ = G.case_data("deepseek_v3_lite")
-    with pytest.raises(ConfigError, match="latent"):
-        Engine(model, SpecConfig("none"), EngineConfig(max_batch=1, max_model_len=32,
-                                                       kv_dtype="fp8"))
+    model, gold = G.case_data("deepseek_v3_lite")
+    model = dataclasses_replace(model, kv_scales=None)
+    scales = quant.calibrate_kv_scales(model, [gold["prompt"].tolist()])
+    assert all(len(k) == 2 and v == () and min(k) > 0 for k, v in scales)
+    model = dataclasses_replace(model, kv_scales=scales)
+    cfg = EngineConfig(max_batch=2, max_model_len=64, page_size=8, prefill_chunk=16,
+                       steps_per_dispatch=4, kv_dtype="fp8")
+    prompt = gold["prompt"].tolist()
+    outs = {}
+    for method in ("none", "chain"):
+        eng = Engine(model, SpecConfig(method, num_speculative_tokens=1), cfg)
+        assert eng.state.caches[0][0].dtype == jnp.float8_e4m3fn
+        outs[method] = eng.generate([Request(0, prompt, SamplingParams(max_tokens=6))])[0]
+    assert outs["chain"].token_ids == outs["none"].token_ids
+    # the engine's first token: the argmax of a forward over the same fp8-rounded cache
+    logits, _ = forward_train(nnx.merge(model.graphdef, model.params),
+                              jnp.asarray([prompt], jnp.int32), num_modules=0,
+                              attend_for=quant.fp8_kv_attend(scales))
+    assert outs["none"].token_ids[0] == int(jnp.argmax(logits[0, -1]))
