@@ -31,3 +31,13 @@ def next_pow2(n: int) -> int:
 def first_divisor(n: int, candidates):
   """The first of `candidates` that divides n, or None."""
   return next((c for c in candidates if n % c == 0), None)
+
+
+def check_positive_ints(config) -> None:
+  """ValueError naming the field of a block-config dataclass that is not a positive int."""
+  import dataclasses
+
+  for f in dataclasses.fields(config):
+    v = getattr(config, f.name)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+      raise ValueError(f"{type(config).__name__}.{f.name} must be a positive int, got {v!r}.")

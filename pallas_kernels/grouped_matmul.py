@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import first_divisor, next_pow2, resolve_backend
+from pallas_kernels import check_positive_ints, first_divisor, next_pow2, resolve_backend
 from pallas_kernels.quant_matmul import VALUE_DTYPES, check_quantized
 
 BACKEND_ENV_VAR = "MTP_JAX_MOE_BACKEND"
@@ -87,15 +87,10 @@ class BlockConfig:
   num_stages: int = 3
 
   def __post_init__(self):
-    for f in dataclasses.fields(self):
-      v = getattr(self, f.name)
-      if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ValueError(f"BlockConfig.{f.name} must be a positive int, got {v!r}.")
+    check_positive_ints(self)
     if self.tile_rows < 8 or self.tile_rows & (self.tile_rows - 1):
       raise ValueError(f"BlockConfig.tile_rows must be a power of two >= 8, got "
                        f"{self.tile_rows}.")
-
-
 
 
 def default_tile_rows(num_rows: int, num_experts: int, backend: str) -> int:

@@ -79,7 +79,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import BACKENDS, next_pow2, resolve_backend  # noqa: F401  (BACKENDS re-exported)
+from pallas_kernels import (BACKENDS, check_positive_ints, next_pow2,  # noqa: F401
+                            resolve_backend)  # (BACKENDS re-exported)
 from pallas_kernels.kv_write import FP8_DTYPE  # the quantized page dtype
 
 BACKEND_ENV_VAR = "MTP_JAX_ATTENTION_BACKEND"
@@ -105,10 +106,7 @@ class BlockConfig:
   num_stages: int = 2
 
   def __post_init__(self):
-    for f in dataclasses.fields(self):
-      v = getattr(self, f.name)
-      if not isinstance(v, int) or v < 1:
-        raise ValueError(f"BlockConfig.{f.name} must be a positive int, got {v!r}.")
+    check_positive_ints(self)
     for name in ("pages_per_block", "rows_per_block"):
       v = getattr(self, name)
       if v & (v - 1):

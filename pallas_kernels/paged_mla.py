@@ -64,7 +64,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import next_pow2, resolve_backend
+from pallas_kernels import check_positive_ints, next_pow2, resolve_backend
 from pallas_kernels.kv_write import FP8_DTYPE  # the quantized page dtype
 
 BACKEND_ENV_VAR = "MTP_JAX_MLA_BACKEND"
@@ -89,10 +89,7 @@ class MLABlockConfig:
   num_stages: int = 2
 
   def __post_init__(self):
-    for f in dataclasses.fields(self):
-      v = getattr(self, f.name)
-      if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ValueError(f"MLABlockConfig.{f.name} must be a positive int, got {v!r}.")
+    check_positive_ints(self)
     if self.rows_per_block % 8:
       raise ValueError("MLABlockConfig.rows_per_block must be a multiple of 8, got "
                        f"{self.rows_per_block}.")

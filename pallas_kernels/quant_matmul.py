@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import first_divisor, next_pow2, resolve_backend
+from pallas_kernels import check_positive_ints, first_divisor, next_pow2, resolve_backend
 
 BACKEND_ENV_VAR = "MTP_JAX_QMATMUL_BACKEND"
 X_DTYPES = (jnp.bfloat16, jnp.float32)
@@ -77,12 +77,7 @@ class BlockConfig:
   num_stages: int = 3
 
   def __post_init__(self):
-    for f in dataclasses.fields(self):
-      v = getattr(self, f.name)
-      if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ValueError(f"BlockConfig.{f.name} must be a positive int, got {v!r}.")
-
-
+    check_positive_ints(self)
 
 
 def default_block_config(m, k, n, s, backend, num_cores=None) -> BlockConfig:
