@@ -88,7 +88,8 @@ def _filter_sorted(logits, top_k, top_p):
     srt = jnp.where(jnp.arange(v)[None] < kk[:, None], srt, -jnp.inf)
     ps = jax.nn.softmax(srt, axis=-1)
     before = jnp.cumsum(ps, axis=-1) - ps  # mass strictly before each sorted token
-    keep = (before < top_p[:, None]) | (jnp.arange(v)[None] == 0)  # the top token always
+    # the top token always; top_p >= 1 keeps all (a rounded cumsum may pass 1 before the end)
+    keep = (before < top_p[:, None]) | (jnp.arange(v)[None] == 0) | (top_p[:, None] >= 1.0)
     pth = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)
     thr = jnp.maximum(kth, pth)
     return jnp.where(logits >= thr, logits, -jnp.inf)
@@ -105,9 +106,76 @@ def process_logits(logits, temperature, top_k, top_p):
     rep = lambda a: jnp.repeat(a, rows)  # noqa: E731  (per-request params over its rows)
     t, k, p = rep(temperature), rep(top_k), rep(top_p)
     x = x / jnp.where(t > 0, t, 1.0)[:, None]
-    need = jnp.any((k > 0) | (p < 1.0))
-    x = jax.lax.cond(need, lambda y: _filter_sorted(y, k, p), lambda y: y, x)
+    need = ((k > 0) & (k < x.shape[-1])) | (p < 1.0)
+    x = jax.lax.cond(jnp.any(need), lambda y: _filter(y, k, p, need), lambda y: y, x)
     return jax.nn.log_softmax(x, axis=-1).reshape(shape)
+
+
+def _filter(logits, top_k, top_p, need):
+    """`_filter_sorted`'s masking for the rows that `need` it, other rows unchanged. On a
+    CPU by bisection (`_filter_bisect`): a full-vocabulary sort per row is the costliest
+    op of a sampled step there (56 rows of 8192: 77 ms sorted, 3 ms bisected), so a
+    speculative step, which samples K+1 target rows and K draft rows per request, paid
+    several plain steps for it. Elsewhere one batched sort, as before: a bisection's 64
+    dependent passes are launches there, not yet measured against the sort."""
+    if jax.default_backend() == "cpu":
+        return _filter_bisect(logits, top_k, top_p, need)
+    return jnp.where(need[:, None], _filter_sorted(logits, top_k, top_p), logits)
+
+
+def _filter_bisect(logits, top_k, top_p, need):
+    """`_filter_sorted`'s masking without a sort: the top-k and top-p thresholds found by
+    bisection over the logits' ordered bit patterns (32 halvings of a uint32 range, each
+    one masked count or sum over the row), so O(32 v) per row instead of a sort.
+
+    Top-k: the largest t with #(x >= t) >= k, the k-th largest value; its distribution
+    is normalised over exactly k tokens, as the sort's first k entries are. Top-p: the
+    smallest t whose mass strictly above stays under p; a token is kept when it lies at
+    or above both, the sort's rule (a tie with a kept token is kept). Sums run in another
+    order than the sort's cumsum, so a token whose preceding mass is p to the last bit may
+    fall the other way."""
+    v = logits.shape[-1]
+    bits = jax.lax.bitcast_convert_type(logits, jnp.int32)
+    u = jax.lax.bitcast_convert_type(jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits), jnp.uint32)
+    u = u ^ jnp.uint32(0x80000000)  # float order as unsigned order
+    kk = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)[:, None]
+    zero = jnp.zeros((logits.shape[0], 1), jnp.uint32)
+    top = jnp.full_like(zero, 0xFFFFFFFF)
+
+    def kth_step(_, lohi):
+        lo, hi = lohi
+        d = hi - lo
+        mid = lo + (d >> 1) + (d & 1)
+        ok = jnp.sum(u >= mid, -1, keepdims=True) >= kk
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
+    kth_u = jax.lax.cond(jnp.any(need & (kk[:, 0] < v)),
+                         lambda: jax.lax.fori_loop(0, 32, kth_step, (zero, top))[0],
+                         lambda: zero)
+    mx = jnp.max(logits, -1, keepdims=True)
+    e = jnp.exp(logits - mx)
+    above = u > kth_u
+    kthv = jnp.min(jnp.where(u >= kth_u, logits, jnp.inf), -1, keepdims=True)
+    n_above = jnp.sum(above, -1, keepdims=True)
+    den = jnp.where(kk < v, jnp.sum(jnp.where(above, e, 0.0), -1, keepdims=True)
+                    + (kk - n_above) * jnp.exp(kthv - mx), jnp.sum(e, -1, keepdims=True))
+    q = e / den
+    p = top_p[:, None]
+
+    def p_step(_, lohi):
+        lo, hi = lohi
+        mid = lo + ((hi - lo) >> 1)
+        ok = jnp.sum(jnp.where(u > mid, q, 0.0), -1, keepdims=True) < p
+        # lo == hi (no t qualifies: top_p 0) must not wrap mid + 1 past the top
+        return jnp.where(ok, lo, jnp.minimum(mid, hi - 1) + 1), jnp.where(ok, mid, hi)
+
+    t0 = jax.lax.cond(jnp.any(need & (top_p < 1.0)),
+                      lambda: jax.lax.fori_loop(0, 32, p_step, (kth_u, top))[0],
+                      lambda: kth_u)
+    t0 = jnp.where(p >= 1.0, kth_u, t0)
+    t0 = jnp.minimum(t0, jnp.max(u, -1, keepdims=True))  # the top token always (top_p 0)
+    keep = (u >= kth_u) & (u >= t0)
+    return jnp.where(need[:, None] & ~keep, -jnp.inf, logits)
 
 
 def sample(logits, temperature, top_k, top_p, keys):

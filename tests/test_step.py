@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -288,3 +289,26 @@ def test_relaxed_engine_without_think_tokens_is_lossless(models, prompts, refere
     res = Engine(model, spec, ENGINE).generate([Request(0, prompts[2],
                                                         SamplingParams(max_tokens=BUDGETS[2]))])[0]
     assert res.token_ids == want
+
+
+def test_bisection_filter_equals_the_sorted_filter():
+    """The CPU's top-k / top-p filter (bisection over the logits' bit patterns) keeps
+    exactly the tokens the sort-based one keeps: ties, -inf logits, top-k past the
+    vocabulary, top-p of 1, a tiny top-p and 0 (1e-300 in float32) included; rows that need nothing unchanged."""
+    from mtp_jax import sampling as S
+    rng = np.random.default_rng(1)
+    r, v = 6, 1000
+    bisect = jax.jit(S._filter_bisect)
+    for trial in range(40):
+        x = rng.normal(size=(r, v)) * rng.choice([0.5, 2, 8])
+        if trial % 5 == 0:
+            x[:, :50] = 3.0
+        if trial % 7 == 0:
+            x[:, 100:200] = -np.inf
+        x = jnp.asarray(x, jnp.float32)
+        k = jnp.asarray(rng.choice([0, 1, 5, 100, 256, 999, 1000, 2000], size=r), jnp.int32)
+        p = jnp.asarray(rng.choice([1.0, 0.95, 0.5, 1e-9, 0.0], size=r), jnp.float32)
+        need = ((k > 0) & (k < v)) | (p < 1.0)
+        got = np.asarray(bisect(x, k, p, need))
+        want = np.asarray(jnp.where(need[:, None], S._filter_sorted(x, k, p), x))
+        np.testing.assert_array_equal(got, want)
