@@ -95,6 +95,10 @@ class _Live:
     pinned: bool = False  # holds its whole reservation and is never preempted
     origin: Optional["_Resumed"] = None  # set for a request preempted before
 
+    def before(self, k: int) -> "_Resumed":
+        """What the request had done before this admission (nothing, if never preempted)."""
+        return self.origin or _Resumed(self.req, [], 0, [0] * k, [0] * k)
+
 
 @dataclasses.dataclass
 class _Resumed:
@@ -420,8 +424,7 @@ class Engine:
         results = []
         for i in look:
             item = self.slots[i]
-            before = item.origin or _Resumed(item.req, [], 0, [0] * self.spec.k,
-                                             [0] * self.spec.k)
+            before = item.before(self.spec.k)
             toks = before.tokens + out_tokens[i, : ngen[i]].tolist()
             reason, text, err = _REASONS.get(int(finish[i])), None, None
             found = self._match_stop_string(toks, item.stop_strings) if item.stop_strings \
@@ -560,8 +563,7 @@ class Engine:
         st = self.state
         ngen, steps, acc, tried, toks = self._fetch(
             (st.num_generated, st.steps, st.accepted, st.drafted, st.out_tokens))
-        before = item.origin or _Resumed(item.req, [], 0, [0] * self.spec.k,
-                                         [0] * self.spec.k)
+        before = item.before(self.spec.k)
         new = [int(t) for t in np.asarray(toks)[slot, : int(ngen[slot])]]
         done = _Resumed(before.req, before.tokens + new, before.steps + int(steps[slot]),
                         [a + int(x) for a, x in zip(before.accepted, acc[slot])],

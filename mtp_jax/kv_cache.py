@@ -41,7 +41,7 @@ from pallas_kernels.paged_attention import paged_attention
 
 from .config import ConfigError, EngineConfig, ModelConfig
 from .model import cache_entry
-from .quant import FP8_KV_DTYPE
+from .quant import FP8_KV_DTYPE, latent_row_scale
 from .sharding import P, batch_axis, kv_heads_axis, shard_kernel
 
 
@@ -268,8 +268,7 @@ class PagedKV:
 
         if v is None and scales:  # a latent row's two parts, each over its own scale
             (parts,), scales = scales, ()
-            per_dim = jnp.where(jnp.arange(k.shape[-1]) < v_dim, parts[0], parts[1])
-            new = (k.astype(jnp.float32) / per_dim,)  # stored as is (fp8 saturates)
+            new = (k.astype(jnp.float32) / latent_row_scale(parts, k.shape[-1], v_dim),)
 
         def write(*args):
             pages, rows, slots = args[:n], args[n:2 * n], args[2 * n]

@@ -416,6 +416,12 @@ def calibrate_kv_scales(model, token_rows=None, margin: float = KV_MARGIN) -> tu
                  for i in sorted(seen))
 
 
+def latent_row_scale(parts, dim: int, v_dim: int):
+    """Per-element scale [dim] of a latent (MLA) cache row from its (latent, rope) scales:
+    the first `v_dim` elements are the latent part, the rest the rope part."""
+    return jnp.where(jnp.arange(dim) < v_dim, parts[0], parts[1])
+
+
 def fp8_kv_attend(scales):
     """attend_for(positions) for `mtp.forward_train`: causal attention over keys and
     values rounded through fp8 with per-layer, per-kv-head `scales`, exactly as an fp8
@@ -436,7 +442,7 @@ def fp8_kv_attend(scales):
         def attend(layer, q, k, v, window, *, sm_scale=None, v_dim=None, sinks=None):
             ks, vs = scales[layer]
             if v is None:  # a latent row: its two parts over their own scales
-                per_dim = jnp.where(jnp.arange(k.shape[-1]) < v_dim, ks[0], ks[1])
+                per_dim = latent_row_scale(ks, k.shape[-1], v_dim)
                 back = quantize_rows(k.astype(jnp.float32) / per_dim, None, jnp.float8_e4m3fn)
                 k = (back.astype(jnp.float32) * per_dim).astype(k.dtype)
             else:

@@ -245,6 +245,11 @@ def heldout_prompts(files, n, *, min_chars=120, max_chars=1200) -> list:
     return out
 
 
+def write_jsonl(path, rows) -> None:
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
 def train_tokenizer(texts, vocab_size):
     """Byte-level BPE (GPT-2 style pre-tokenizer) with one special end-of-text token (id 0)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -575,8 +580,7 @@ def train(args) -> dict:
     tok.save(os.path.join(args.out, "tokenizer.json"))
     plot_curves(history, os.path.join(args.out, "loss_curves.png"))
     if d["prompts"]:
-        with open(os.path.join(args.out, "heldout_prompts.jsonl"), "w") as f:
-            f.writelines(json.dumps(p) + "\n" for p in d["prompts"])
+        write_jsonl(os.path.join(args.out, "heldout_prompts.jsonl"), d["prompts"])
     # The exported (bf16) weights, as the engine will see them, on the whole held-out split
     # of each kind (the curves above use `--eval-rows` windows of both).
     exported = jax.tree.map(lambda x: x.astype(jnp.float32), trained.params)
@@ -771,16 +775,13 @@ def main(argv=None):
     if args.cmd == "train":
         train(args)
         return
-    if args.cmd == "prompts":
+    if args.cmd in ("prompts", "heldout"):  # the whole corpus, split as training split it
         args.max_files = None
         c = assemble_corpus(args, overlap_lines(humaneval_problems(args.humaneval)))
-        with open(args.out, "w") as f:
-            f.writelines(json.dumps(p) + "\n" for p in heldout_prompts(
-                c["heldout_packages"], args.heldout_prompts))
+    if args.cmd == "prompts":
+        write_jsonl(args.out, heldout_prompts(c["heldout_packages"], args.heldout_prompts))
         return
     if args.cmd == "heldout":
-        args.max_files = None
-        c = assemble_corpus(args, overlap_lines(humaneval_problems(args.humaneval)))
         splits = {"val_stdlib": c["heldout_stdlib"], "val_packages": c["heldout_packages"]}
         table = heldout_metrics(args.model, {k: [t for _, _, t in v] for k, v in
                                              splits.items() if v},
