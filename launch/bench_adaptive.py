@@ -47,20 +47,27 @@ def run_job(model, method, k, b, prompts, new_tokens, reps):
     eng.warmup()
     compile_s = time.perf_counter() - t0
     reqs = [Request(i, p, SamplingParams(max_tokens=new_tokens)) for i, p in enumerate(prompts)]
-    best, out, schedule = None, None, None
+    best, out, schedule, detail = None, None, None, None
     for _ in range(reps):
         eng.reset_control()  # every repetition adapts from scratch
+        before = dict(eng.stats)
         t0 = time.perf_counter()
         res = eng.generate(reqs)
         wall = time.perf_counter() - t0
         if best is None or wall < best:
             best, out = wall, res
             schedule = eng.control.counts() if eng.control is not None else None
+            detail = {"dispatches": eng.stats["dispatches"] - before.get("dispatches", 0),
+                      "dispatch_s": eng.stats["dispatch_seconds"]
+                      - before.get("dispatch_seconds", 0.0)}
+            if eng.control is not None:  # what the controller knew: seconds per step
+                detail.update(order=eng.control.summary(), cost=eng.control.cost,
+                              prior=eng.control.prior_cost)
     gen = sum(len(r.token_ids) for r in out)
     del eng
     return {"method": method, "k": k, "compile_s": compile_s, "wall_s": best,
             "generated_tokens": gen, "tokens_per_s": gen / best,
-            "k_dispatches": schedule, "tokens": [r.token_ids for r in out]}
+            "k_dispatches": schedule, "detail": detail, "tokens": [r.token_ids for r in out]}
 
 
 def main(argv=None):
@@ -89,7 +96,8 @@ def main(argv=None):
             r["same_tokens_as_none"] = r.pop("tokens") == want
             log(f"B={b} {r['method']} K={r['k']}: {r['tokens_per_s']:.1f} tok/s "
                 f"({r['vs_none']:.2f}x none), compile {r['compile_s']:.1f}s"
-                + (f", dispatches per K {r['k_dispatches']}" if r["k_dispatches"] else ""))
+                + (f", dispatches per K {r['k_dispatches']}" if r["k_dispatches"] else "")
+                + f"\n  {r['detail']}")
         auto = [r for r in runs if r["k"] == "auto"]
         if auto:
             best_other = max(r["tokens_per_s"] for r in runs if r["k"] != "auto" or

@@ -8,10 +8,14 @@ per kind and, between dispatches, this controller picks the kind of the next one
 - cost: seconds per step of each kind, measured on the real job: a dispatch's time from
   launch to the moment its results are ready, over the loop iterations it ran, and a
   kind's cost is the least of its last few measurements (a shared machine only ever adds
-  time, never takes it away). A kind not yet measured is interpolated between 0 and K
-  (each draft adds about the same). Timing kinds on an idle slot at warmup does not work:
-  an idle slot's step leaves out work that grows with the kind (a CPU verify of K+1
-  tokens over every running request's context), so it misjudged real costs by 2-3x;
+  time, never takes it away). A dispatch that also waited for prompts admitted just
+  before it is not timed. A kind not yet measured is estimated from `prior_cost`, one
+  step of each kind timed at warmup on a dummy slot, scaled by the job's own timing of
+  the nearest measured kind: the step programs have fixed shapes, so the dummy slot does
+  all of a real step's work but the attention over long contexts, and the ratios between
+  kinds hold (on the shipped model on a CPU: warmup 18 / 29 / 40 / 51 ms for K = 0..3,
+  the job 21 / 34 / - / 60). Without a prior, kinds between measured ones are
+  interpolated (each draft adds about the same);
 - acceptance: r_d, the share of verified depth-d drafts that were accepted (which
   includes the acceptance of every earlier depth), from decayed counts, so a kind k is
   expected to commit 1 + r_1 + ... + r_k tokens per step;
@@ -21,13 +25,17 @@ per kind and, between dispatches, this controller picks the kind of the next one
   soonest: each request's remaining tokens over its own expected tokens per step (its
   acceptance counts, smoothed toward the job's), times the step cost; the requests that
   draft well would finish early to idle slots, and the poorly drafted ones set the end.
-  K is measured first (for the
-  acceptance of every depth), then 0; a kind in between is measured only when its
-  interpolated cost makes it the best. After that the least recently measured kind runs as a check
-  every `interval` dispatches, an interval that doubles (up to `max_interval`) each time
-  the check leaves the choice as it was and falls back to `min_interval` when it changes
-  it. Measurements and checks are short dispatches (`probe` is set while one is due: the
-  engine runs a sixteenth of its usual steps), so a short job is not spent exploring.
+- exploration: K is measured first (the acceptance of every depth), over enough steps
+  for `samples` verified drafts per depth (a job's first steps after the prompts draft
+  worse than its later ones, so two steps of one request say little). With a prior,
+  another kind is measured only when its estimate makes it the best, in a dispatch of
+  the usual length; without one, 0 is measured next and an interpolated winner in a short
+  dispatch. After that the least recently measured kind runs as a check every
+  `interval` dispatches, an interval that doubles (up to `max_interval`) each time the
+  check leaves the choice as it was and falls back to `min_interval` when it changes it.
+  Measurements and checks are short dispatches (`probe` is set while one is due, and
+  `steps()` gives its length: a sixteenth of the usual steps), so a short job is not spent
+  exploring.
 
 Only timing and acceptance counts decide; nothing here touches the tokens. Greedy output
 is identical to plain decoding whatever the schedule, and sampled rows verify by coupled
@@ -43,12 +51,18 @@ import numpy as np
 
 
 class KController:
-    def __init__(self, k_max: int, *, decay: float = 0.9,
+    def __init__(self, k_max: int, *, prior_cost=None, decay: float = 0.9,
                  min_interval: int = 8, max_interval: int = 256, prior: float = 0.5,
-                 prior_weight: float = 2.0, window: int = 3, row_prior_weight: float = 4.0):
+                 prior_weight: float = 2.0, window: int = 3, row_prior_weight: float = 4.0,
+                 samples: int = 32):
         if k_max < 1:
             raise ValueError("adaptive speculation needs K >= 1")
+        if prior_cost is not None and (len(prior_cost) != k_max + 1
+                                       or not all(c > 0 for c in prior_cost)):
+            raise ValueError(f"prior_cost needs {k_max + 1} positive seconds per step")
         self.k_max = k_max
+        self.prior_cost = None if prior_cost is None else [float(c) for c in prior_cost]
+        self.samples = samples
         self.decay = decay
         self.min_interval, self.max_interval = min_interval, max_interval
         self.prior, self.prior_weight = prior, prior_weight
@@ -77,9 +91,16 @@ class KController:
         return 1.0 + float(np.sum(self.rates()[:k]))
 
     def estimated_cost(self, k: int) -> Optional[float]:
-        """Seconds per step of kind k: measured, else interpolated between 0 and K."""
+        """Seconds per step of kind k: measured; else the warmup prior scaled by the
+        nearest measured kind's timing; else interpolated between 0 and K."""
         if self.cost[k] is not None:
             return self.cost[k]
+        if self.prior_cost is not None:
+            known = [j for j in range(self.k_max + 1) if self.cost[j] is not None]
+            if not known:
+                return None
+            j = min(known, key=lambda j: (abs(j - k), -j))
+            return self.prior_cost[k] * self.cost[j] / self.prior_cost[j]
         lo, hi = self.cost[0], self.cost[self.k_max]
         return None if lo is None or hi is None else lo + (hi - lo) * k / self.k_max
 
@@ -98,6 +119,8 @@ class KController:
         return c * float(np.max(remaining / (1.0 + r.sum(axis=1))))
 
     def best(self) -> int:
+        if all(self.estimated_cost(k) is None for k in range(self.k_max + 1)):
+            return self.k_max  # nothing timed yet: K is measured first
         if self.drain is not None:
             times = {k: self.finish_time(k) for k in range(self.k_max + 1)}
             return min((k for k, t in times.items() if t is not None), key=lambda k: times[k])
@@ -117,18 +140,31 @@ class KController:
                 np.asarray(drain[2], float).reshape(n, -1)[:, :k])
         self.drain = drain
         self.probe = True
-        for k in (self.k_max, 0):  # K first: the acceptance of every depth
+        first = (self.k_max,) if self.prior_cost is not None else (self.k_max, 0)
+        for k in first:  # K first: the acceptance of every depth
             if self.cost[k] is None:
                 return k
         best = self.best()
-        if self.cost[best] is None:
-            return best  # an interpolated winner: measure it
+        if self.cost[best] is None:  # an estimated winner: measure it, in a short
+            self.probe = self.prior_cost is None  # dispatch unless a prior backs it
+            return best
         if self.dispatches >= self.next_check:
             others = [k for k in range(self.k_max + 1) if k != best]
             self._check = best
             return min(others, key=lambda k: self.measured[k])
         self.probe = False
         return best
+
+    def steps(self, n: int, running: int) -> int:
+        """Loop iterations for the dispatch just chosen: n, a probe's sixteenth of it, or,
+        while K's acceptance is still unmeasured, enough for `samples` drafts per depth
+        (up to a quarter of n)."""
+        if not self.probe:
+            return n
+        short = max(1, n // 16)
+        if self.tried[self.k_max - 1] == 0:
+            return min(max(short, -(-self.samples // max(running, 1))), max(short, n // 4))
+        return short
 
     def update(self, kind: int, seconds: float, steps: int, accepted, verified) -> None:
         """Record a dispatch of `kind`: its wall seconds, loop iterations, and the accepted

@@ -167,6 +167,7 @@ class Engine:
         self._warm = False
         self.stats = collections.Counter()
         self.control = KController(k) if spec.adaptive else None
+        self.step_prior = None  # seconds per step of each kind at warmup (adaptive only)
         self._resumed: dict = {}  # id(queued Request) -> _Resumed, for preempted requests
         self._admissions = 0
         # per-slot counters as of the last collection, for each dispatch's deltas
@@ -201,6 +202,9 @@ class Engine:
         self._admit_slot(0, Request(None, [0]), [[] for _ in self.layout.groups], limit=0)
         for kind in self.static.kinds:
             self.state = self.progs.steps(kind)(p, self.state, jnp.int32(1))
+        if self.control is not None:  # the adaptive controller's cost prior
+            self.step_prior = self._time_kinds()
+            self.control.prior_cost = self.step_prior
         b, w = self.config.max_batch, self.layout.width  # the page-growth program, a no-op
         self.state = self.progs.grow(self.state, np.zeros((b,), bool),
                                      np.zeros((b, w), np.int32), np.zeros((b,), np.int32),
@@ -210,11 +214,26 @@ class Engine:
         self.compile_seconds += time.perf_counter() - t0
         return self.compile_seconds
 
+    def _time_kinds(self, reps: int = 2) -> Optional[list]:
+        """Seconds of one step of each kind on the warmup's dummy slot (least of `reps`);
+        None if the dummy ran out of budget (a tiny max_model_len) and a step did nothing."""
+        best = [float("inf")] * len(self.static.kinds)
+        for _ in range(reps):
+            for i, kind in enumerate(self.static.kinds):
+                before = int(self.state.num_generated[0])  # also waits for the state
+                t0 = time.perf_counter()
+                self.state = jax.block_until_ready(
+                    self.progs.steps(kind)(self.model.params, self.state, jnp.int32(1)))
+                best[i] = min(best[i], time.perf_counter() - t0)
+                if int(self.state.num_generated[0]) == before:
+                    return None
+        return best
+
     def reset_control(self) -> None:
         """Forget what adaptive speculation learned on earlier jobs (acceptance, costs,
         schedule). No-op for a fixed K."""
         if self.control is not None:
-            self.control = KController(self.spec.k)
+            self.control = KController(self.spec.k, prior_cost=self.step_prior)
 
     def cache_sizes(self) -> dict:
         """Compiled-program cache sizes (for checking that nothing recompiles)."""
@@ -479,7 +498,9 @@ class Engine:
             self.warmup()
             while self.queue or any(x is not None for x in self.slots):
                 out = []
+                admitted = self._admissions
                 self._fill_slots(out)
+                admitted = self._admissions != admitted
                 yield from out
                 if not any(x is not None for x in self.slots):
                     continue
@@ -487,19 +508,24 @@ class Engine:
                 kind = self.static.k
                 if self.control:
                     kind = self.control.choose(None if self.queue else self._last_wave())
-                    n = max(1, n // 16) if self.control.probe else n
+                    n = self.control.steps(n, sum(x is not None for x in self.slots))
                     if jax.process_count() > 1:  # every process runs the same program
                         kind, n = self._agree(kind, n)
                 self._hold_pages(n)
                 running = sum(x is not None for x in self.slots)
                 self.stats["max_running"] = max(self.stats["max_running"], running)
+                timed = not admitted  # else the dispatch would also wait for prefills
+                if self.control and self.control.probe and admitted:
+                    jax.block_until_ready(self.state)  # a measurement: time the steps alone
+                    timed = True
                 t0 = time.perf_counter()
                 self.state = self.progs.steps(kind)(self.model.params, self.state, jnp.int32(n))
                 done = self._collect()
                 seconds = time.perf_counter() - t0
                 if self.control:
                     k, d = self.static.k, self._delta.sum(0)
-                    self.control.update(kind, self._ready - t0, int(self._delta[:, 0].max()),
+                    self.control.update(kind, self._ready - t0 if timed else 0.0,
+                                        int(self._delta[:, 0].max()),
                                         d[1: k + 1], d[k + 1:])
                 yield from done
                 self.stats["dispatch_seconds"] += seconds

@@ -67,6 +67,44 @@ def test_controller_measures_k_then_0_then_only_a_middle_kind_that_may_win():
     assert ctl.estimated_cost(2) == pytest.approx(1.0 + 2.7 * 2 / 3)
 
 
+def test_controller_with_a_warmup_prior_times_zero_only_when_it_may_win():
+    # the warmup's dummy-slot timings give the kinds' cost ratios; the job's timing of K
+    # scales them, so K=0 is not spent measuring while K clearly pays
+    prior = [0.5, 0.55, 0.6, 0.65]
+    ctl, order = KController(3, prior_cost=prior), []
+    for _ in range(5):
+        order.append(ctl.choose())
+        tried = np.array([40.0 if d < order[-1] else 0.0 for d in range(3)])
+        ctl.update(order[-1], 1.3 * 10, 10, tried * 0.9, tried)
+    assert order == [3, 3, 3, 3, 3] and ctl.cost[0] is None
+    assert ctl.estimated_cost(0) == pytest.approx(0.5 * 1.3 / 0.65)
+    # drafting does not pay: the prior makes K=0 the best, so it is measured next
+    ctl, order = KController(3, prior_cost=[1.0, 1.9, 2.8, 3.7]), []
+    for _ in range(4):
+        order.append(ctl.choose())
+        tried = np.array([40.0 if d < order[-1] else 0.0 for d in range(3)])
+        ctl.update(order[-1], [1.0, 1.9, 2.8, 3.7][order[-1]] * 10, 10,
+                   tried * np.array([0.6, 0.4, 0.3]), tried)
+    assert order == [3, 0, 0, 0]
+    # the nearest measured kind scales an estimate; without any timing, K comes first
+    assert ctl.estimated_cost(1) == pytest.approx(1.9 * 1.0 / 1.0)
+    assert KController(3, prior_cost=prior).best() == 3
+    with pytest.raises(ValueError, match="positive"):
+        KController(3, prior_cost=[1.0, 0.0, 1.0, 1.0])
+
+
+def test_controller_first_measures_k_over_enough_drafts():
+    # the first K dispatch runs until `samples` drafts per depth (a quarter of n at most),
+    # later measurements and checks a sixteenth of n
+    for running, want in ((1, 8), (6, 6), (64, 2)):
+        ctl = KController(3, samples=32)
+        assert ctl.choose() == 3 and ctl.steps(32, running) == want
+    ctl.update(3, 1.0, 2, [60, 50, 40], [64, 64, 64])
+    assert ctl.choose() == 0 and ctl.probe and ctl.steps(32, 64) == 2
+    ctl.update(0, 0.5, 2, [0, 0, 0], [0, 0, 0])
+    assert ctl.choose() == 3 and not ctl.probe and ctl.steps(32, 64) == 32
+
+
 def test_controller_cost_ignores_a_slow_outlier():
     # a shared machine only adds time: one dispatch slowed 5x does not flip the choice
     ctl = KController(1)
@@ -222,8 +260,11 @@ def test_real_controller_on_the_job_stays_lossless(model, prompts):
         assert r.token_ids == generate_reference(model, p, SamplingParams(max_tokens=30),
                                                  max_len=MAX_LEN)[0]
     assert sum(n for _, n in eng.control.schedule) == eng.stats["dispatches"] - before
-    assert None not in (eng.control.cost[0], eng.control.cost[3])  # both ends timed
+    assert eng.control.cost[3] is not None  # K is timed first
     assert eng.control.tried.sum() > 0
+    # the warmup timed one step of every kind for the controller's cost prior
+    prior = eng.control.prior_cost
+    assert prior == eng.step_prior and len(prior) == 4 and min(prior) > 0
 
 
 def test_fixed_k_engine_has_no_controller(model):
