@@ -59,6 +59,7 @@ from bench_paged_attention import copy_bandwidth  # noqa: E402
 
 from mtp_jax.checkpoint import Model, abstract_model, quantize_model  # noqa: E402
 from mtp_jax.config import EngineConfig, ModelConfig, SpecConfig  # noqa: E402
+from mtp_jax.draft_vocab import with_draft_vocab  # noqa: E402
 from mtp_jax.drafting import draft  # noqa: E402
 from mtp_jax.kv_cache import PageAllocator, PagedKV, make_layout  # noqa: E402
 from mtp_jax.quant import calibrate_kv_scales  # noqa: E402
@@ -328,6 +329,10 @@ def main(argv=None):
                     help="comma list of bf16 (as built) and quantization modes "
                          "(int8, fp8, fp8-block), each timed in this run")
     ap.add_argument("--mesh", help="tp=N,dp=M: shard the model (tensor parallel) and slots")
+    ap.add_argument("--draft-vocab", default="0",
+                    help="comma list of reduced draft vocabulary sizes to run (0: the full "
+                         "vocabulary); the set is ids 0..N-1, so oracle drafts outside it are "
+                         "rejected: read the draft time and the projection, not the oracle")
     ap.add_argument("--steps-only", action="store_true",
                     help="time only the plain and speculative steps (skip verify / draft)")
     args = ap.parse_args(argv)
@@ -357,14 +362,21 @@ def main(argv=None):
         ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 256)).tolist()
         base.kv_scales = calibrate_kv_scales(base, ids)
     rows = []
-    for weights in args.weights.split(","):
+    variants = [(w, int(n)) for w in args.weights.split(",")
+                for n in args.draft_vocab.split(",")]
+    for weights, n_draft in variants:
         model = base if weights in ("bf16", "f32", "none") else quantize_model(base, weights)
+        if n_draft:
+            model = with_draft_vocab(model, np.arange(n_draft))
         model = dataclasses.replace(model, params=shard_params(model.params, mesh))
         jax.block_until_ready(model.params)
         tw = weight_bytes(model, ("target",))
         mtp_w = weight_bytes(model, ("mtp",))
         head_w = head if model.config.tie_word_embeddings else weight_bytes(
             model, ("target", "lm_head"))
+        if n_draft:  # the draft reads its reduced heads, not the target lm_head
+            head_w = weight_bytes(model, ("draft_vocab",)) / len(
+                model.module().draft_vocab.heads)
         log(f"weights {weights}: target {tw / 1e9:.2f} GB, MTP {mtp_w / 1e9:.2f} GB")
         for b in [int(x) for x in args.batches.split(",")]:
             for row in bench_batch(model, b, [int(x) for x in args.ctxs.split(",")],
@@ -374,7 +386,7 @@ def main(argv=None):
                 row["kv_dtype"] = args.kv_dtype or str(dtype)
                 plain_bytes = tw + b * ctx * kv_tok
                 draft_bytes = mtp_w + K * head_w + K * b * ctx * kv_tok / cfg.num_layers
-                row["weights"] = weights
+                row["weights"] = weights + (f" dv{n_draft}" if n_draft else "")
                 row["plain_limit_ms"] = plain_bytes / best_bw * 1e3
                 row["plain_pct_of_limit"] = row["plain_limit_ms"] / row["none_step_ms"] * 100
                 row["draft_limit_ms"] = draft_bytes / best_bw * 1e3

@@ -250,6 +250,7 @@ class ModelConfig:
     mtp_own_embed: bool = False  # per-module `embed_tokens` instead of the target embedding
     mtp_shared_input: bool = False  # one fc / pre-norms / final norm for all modules (Qwen3-Next)
     mtp_sliding_windows: tuple = ()  # per MTP module: None or window size
+    draft_vocab_size: int = 0  # MTP heads score only this many tokens (0: all; draft_vocab.py)
     moe: Optional[MoEConfig] = None  # routed experts (None: every FFN dense)
     mla: Optional[MLAConfig] = None  # latent attention (None: GQA)
     quantization: Optional[WeightQuant] = None  # how the checkpoint's weights are stored
@@ -272,6 +273,9 @@ class ModelConfig:
             object.__setattr__(self, "mtp_sliding_windows",
                                _fill(self.mtp_sliding_windows, self.num_mtp_modules,
                                      "mtp_sliding_windows"))
+        if not 0 <= int(self.draft_vocab_size) <= int(self.vocab_size):
+            raise ConfigError(f"draft_vocab_size={self.draft_vocab_size} must be in "
+                              f"[0, vocab_size={self.vocab_size}]")
         checks = {"mtp_concat_order": ("hidden_first", "embed_first"),
                   "mtp_hidden_from": ("pre_norm", "post_norm"),
                   "mtp_output_hidden": ("pre_norm", "post_norm"),

@@ -34,7 +34,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import compile_cache
+from . import compile_cache, draft_vocab
 from .checkpoint import CheckpointError, load
 from .compile_cache import add_compile_cache_option
 from .config import (ConfigError, EngineConfig, SamplingParams, SpecConfig,
@@ -372,6 +372,7 @@ def parse_args(argv):
     p.add_argument("--output", help="write the JSON report here")
     p.add_argument("--plot", help="write a PNG plot here")
     add_quantize_option(p)
+    draft_vocab.add_args(p)
     add_compile_cache_option(p)
     args = p.parse_args(argv)
     args.methods = tuple(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip()))
@@ -436,6 +437,10 @@ def evaluate(args, log) -> dict:
     if args.dtype == "float32":  # full f32 matmuls too (no TF32 / bf16 passes on GPU)
         jax.config.update("jax_default_matmul_precision", "highest")
     model_dir, model = load_model(args.model, args.dtype, args.quantize)
+    try:
+        model = draft_vocab.apply(model, args.draft_vocab, args.draft_vocab_size)
+    except ConfigError as err:
+        raise Fatal(f"--draft-vocab: {err}") from None
     cfg = model.config
     if cfg.num_mtp_modules < 1:
         raise Fatal(f"{model_dir} has no MTP modules: there is nothing to evaluate")

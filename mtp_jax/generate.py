@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from . import compile_cache
+from . import compile_cache, draft_vocab
 from .checkpoint import CheckpointError, load
 from .compile_cache import add_compile_cache_option
 from .config import (AUTO, METHODS, ConfigError, EngineConfig, SamplingParams, SpecConfig,
@@ -206,6 +206,7 @@ def parse_args(argv):
                    help="shard over devices: tensor parallel N, data parallel M, experts "
                         "over E (MoE models; default: one device)")
     add_quantize_option(p)
+    draft_vocab.add_args(p)
     add_compile_cache_option(p)
     args = p.parse_args(argv)
     if args.resume and args.output == "-":
@@ -299,6 +300,10 @@ def make_engine(args):
     except ValueError as e:
         raise Fatal(str(e)) from None
     model = load_model(model_dir, mesh, args.quantize)
+    try:
+        model = draft_vocab.apply(model, args.draft_vocab, args.draft_vocab_size)
+    except ConfigError as e:
+        raise Fatal(f"--draft-vocab: {e}") from None
     cfg = model.config
     if args.stop and model.tokenizer is None:
         raise Fatal("--stop needs a tokenizer and the model has no tokenizer.json")

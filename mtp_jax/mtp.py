@@ -52,6 +52,34 @@ class MTPModule(nnx.Module):
         self.head = _param(rngs, (d, v), dtype, d ** -0.5) if cfg.mtp_own_head else None
 
 
+class DraftHead(nnx.Module):
+    def __init__(self, d: int, n: int, *, dtype, rngs: nnx.Rngs):
+        self.head = _param(rngs, (d, n), dtype, d ** -0.5)
+
+
+class DraftVocab(nnx.Module):
+    """A reduced draft vocabulary (FR-Spec, EAGLE-3): the MTP heads score only the
+    `draft_vocab_size` tokens `ids`, with their columns of the head copied into `heads`
+    (one for the shared target lm_head, else one per module), and every other token gets
+    logit -inf. The draft reads d x n head bytes instead of d x V; verification scores the
+    full vocabulary, so output is unchanged (greedy: a draft outside the set is simply
+    never proposed; sampling: the draft's real distribution, zero outside the set, goes
+    into the acceptance test). Set by `draft_vocab.with_draft_vocab`."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        n, d = cfg.draft_vocab_size, cfg.hidden_size
+        self.ids = nnx.Param(jnp.arange(n, dtype=jnp.int32))
+        count = cfg.num_mtp_modules if cfg.mtp_own_head else 1
+        self.heads = nnx.List([DraftHead(d, n, dtype=dtype, rngs=rngs) for _ in range(count)])
+
+    def logits(self, k: int, normed, vocab_size: int):
+        """Full-vocabulary logits (f32) of module k: the set's scores, -inf elsewhere."""
+        head = self.heads[min(k, len(self.heads) - 1)].head
+        small = qeinsum("...d,dn->...n", normed, head, preferred_element_type=jnp.float32)
+        full = jnp.full(small.shape[:-1] + (vocab_size,), -jnp.inf, jnp.float32)
+        return full.at[..., self.ids[...]].set(small)
+
+
 class MTPModel(nnx.Module):
     """Target decoder plus its MTP modules; the unit that is loaded, saved and split."""
 
@@ -62,6 +90,8 @@ class MTPModel(nnx.Module):
                              for k in range(cfg.num_mtp_modules)])
         self.mtp_shared = (MTPInput(cfg, dtype=dtype, rngs=rngs)
                            if cfg.mtp_shared_input and cfg.num_mtp_modules else None)
+        self.draft_vocab = (DraftVocab(cfg, dtype=dtype, rngs=rngs)
+                            if cfg.draft_vocab_size and cfg.num_mtp_modules else None)
 
     def draft(self, k: int, tokens, hidden, positions, attend: Attend):
         """Run module k (0-based) on tokens [b, t] paired with consumed hiddens [b, t, d].
@@ -87,6 +117,8 @@ class MTPModel(nnx.Module):
 
     def draft_logits(self, k: int, normed):
         """Logits (f32) of module k for its final-normed output [..., d]."""
+        if self.draft_vocab is not None:
+            return self.draft_vocab.logits(k, normed, self.cfg.vocab_size)
         head = self.mtp[k].head
         if head is None:
             return self.target.head(normed)

@@ -1,0 +1,230 @@
+"""Reduced draft vocabulary: the MTP heads score only the N most frequent tokens.
+
+Drafting with K modules costs K passes of the lm_head over the whole vocabulary, d x V
+weights each: for a 7B model with a 152k vocabulary that is 1.2 GB per module per step
+in bf16, as much as six of its decoder layers. Most drafts that get accepted are frequent
+tokens, so (as FR-Spec and EAGLE-3 do) the draft may score only a fixed set of N frequent
+tokens: `with_draft_vocab(model, ids)` copies those N columns of the head into the model
+(`mtp.DraftVocab`) and every other token gets logit -inf in the draft. The target still
+verifies over the whole vocabulary, so greedy output is unchanged (a token outside the set
+is never drafted, only verified), and sampled output keeps its distribution: the draft's
+real probabilities, zero outside the set, go into the acceptance test.
+
+The set comes from token counts over text (the training corpus) or over the model's own
+greedy outputs on a prompt file; the model's end-of-sequence ids are always in it:
+
+    python -m mtp_jax.draft_vocab --model checkpoints --text DIR_OR_FILE ... --output F
+    python -m mtp_jax.draft_vocab --model checkpoints --outputs prompts.jsonl --output F
+
+and `--draft-vocab F [--draft-vocab-size N]` on generate / evaluate uses it (the N most
+frequent ids of the file; default all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from typing import Iterable, Optional
+
+import numpy as np
+
+from .config import ConfigError
+
+FORMAT = "mtp_jax.draft_vocab/1"
+
+
+# ------------------------------------------------------------------ the model side
+def with_draft_vocab(model, ids):
+    """A copy of `model` whose MTP heads score only `ids` (distinct token ids)."""
+    from . import quant
+    from .checkpoint import from_params, to_flat
+
+    cfg = model.config
+    if not cfg.num_mtp_modules:
+        raise ConfigError("a draft vocabulary needs MTP modules; this model has none")
+    if cfg.draft_vocab_size:
+        raise ConfigError(f"the model already drafts over {cfg.draft_vocab_size} tokens")
+    ids = np.asarray(ids)
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise ConfigError("draft vocabulary ids must be a non-empty list of integers")
+    if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+        raise ConfigError(f"draft vocabulary ids must lie in [0, {cfg.vocab_size})")
+    if len(np.unique(ids)) != ids.size:
+        raise ConfigError("draft vocabulary ids must be distinct")
+    m = model.module()
+    dtype = model.dtype
+    if cfg.mtp_own_head:
+        heads = [quant.value(m.mtp[k].head) for k in range(cfg.num_mtp_modules)]
+    elif m.target.lm_head is None:  # tied: the embedding's rows are the head's columns
+        heads = [quant.value(m.target.embed).T]
+    else:
+        heads = [quant.value(m.target.lm_head)]
+    flat = to_flat(model.params)
+    for i, w in enumerate(heads):  # [d, V] -> [d, n]: the rows of w.T
+        cols = w.T.rows(ids, dtype) if quant.is_quantized(w) else w.T[ids]
+        flat[("draft_vocab", "heads", i, "head")] = cols.T
+    flat[("draft_vocab", "ids")] = ids.astype(np.int32)
+    extra = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)
+             if f.name not in ("config", "graphdef", "params")}
+    return from_params(dataclasses.replace(cfg, draft_vocab_size=int(ids.size)), flat,
+                       dtype, **extra)
+
+
+def head_bytes(model) -> dict:
+    """Head bytes one draft step reads per module: full vocabulary and as held."""
+    cfg = model.config
+    d, item = cfg.hidden_size, np.dtype(model.dtype).itemsize
+    return {"full": d * cfg.vocab_size * item,
+            "draft": d * (cfg.draft_vocab_size or cfg.vocab_size) * item}
+
+
+# -------------------------------------------------------------- choosing the set
+def most_frequent(counts, n: int, always: Iterable[int] = ()) -> np.ndarray:
+    """The n ids with the highest counts (ties: lower id first), `always` included."""
+    counts = np.asarray(counts, np.int64)
+    if not 0 < n <= counts.size:
+        raise ConfigError(f"draft vocabulary size must be in [1, {counts.size}], got {n}")
+    order = np.lexsort((np.arange(counts.size), -counts))
+    keep = [int(i) for i in always if 0 <= int(i) < counts.size]
+    chosen = list(dict.fromkeys(keep))[:n]
+    taken = set(chosen)
+    for i in order:
+        if len(chosen) == n:
+            break
+        if int(i) not in taken:
+            chosen.append(int(i))
+    return np.asarray(chosen, np.int32)
+
+
+def count_text(tokenizer, texts: Iterable[str], vocab_size: int) -> np.ndarray:
+    counts = np.zeros((vocab_size,), np.int64)
+    for text in texts:
+        ids = np.asarray(tokenizer.encode(text).ids, np.int64)
+        ids = ids[(ids >= 0) & (ids < vocab_size)]
+        counts += np.bincount(ids, minlength=vocab_size)
+    return counts
+
+
+def _texts(paths: list) -> Iterable[str]:
+    for p in paths:
+        files = [os.path.join(r, f) for r, _, fs in os.walk(p) for f in sorted(fs)] \
+            if os.path.isdir(p) else [p]
+        for f in sorted(files):
+            if f.endswith((".py", ".txt", ".md", ".json", ".jsonl")) or not os.path.isdir(p):
+                with open(f, encoding="utf-8", errors="replace") as fh:
+                    yield fh.read()
+
+
+def count_outputs(model, prompts: list, max_tokens: int, max_batch: int = 16) -> np.ndarray:
+    """Counts of the tokens the model generates greedily (plain decoding) from prompts."""
+    from .config import EngineConfig, SamplingParams, SpecConfig
+    from .engine import Engine, Request
+
+    tok = model.tokenizer
+    reqs = [Request(i, list(tok.encode(p).ids) if isinstance(p, str) else list(p),
+                    SamplingParams(max_tokens=max_tokens)) for i, p in enumerate(prompts)]
+    longest = max(len(r.prompt_ids) for r in reqs)
+    eng = Engine(model, SpecConfig("none"),
+                 EngineConfig(max_batch=max_batch, max_model_len=longest + max_tokens + 8))
+    counts = np.zeros((model.config.vocab_size,), np.int64)
+    for res in eng.generate(reqs):
+        if res.error:
+            raise ConfigError(f"prompt {res.id}: {res.error}")
+        counts += np.bincount(np.asarray(res.token_ids, np.int64),
+                              minlength=model.config.vocab_size)
+    return counts
+
+
+# ------------------------------------------------------------------------ files
+def save_ids(path: str, ids, *, source: str, counts=None) -> None:
+    ids = [int(i) for i in ids]
+    doc = {"format": FORMAT, "size": len(ids), "source": source, "ids": ids}
+    if counts is not None:
+        counts = np.asarray(counts)
+        doc["coverage"] = float(counts[ids].sum() / max(counts.sum(), 1))
+    with open(path, "w") as f:
+        json.dump(doc, f)
+
+
+def load_ids(path: str, size: Optional[int] = None) -> np.ndarray:
+    """The ids of a draft vocabulary file, the `size` most frequent of them if given."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"draft vocabulary {path!r}: unreadable ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or \
+            not isinstance(doc.get("ids"), list):
+        raise ConfigError(f"draft vocabulary {path!r}: not a {FORMAT} file")
+    ids = doc["ids"]
+    if size is not None:
+        if not 0 < size <= len(ids):
+            raise ConfigError(f"--draft-vocab-size {size}: the file holds {len(ids)} ids")
+        ids = ids[:size]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ConfigError(f"draft vocabulary {path!r}: ids must be integers")
+    return np.asarray(ids, np.int64)
+
+
+def apply(model, path: Optional[str], size: Optional[int] = None):
+    """`model` with the draft vocabulary of file `path` (None: unchanged)."""
+    if path is None:
+        if size is not None:
+            raise ConfigError("--draft-vocab-size needs --draft-vocab FILE")
+        return model
+    return with_draft_vocab(model, load_ids(path, size))
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--draft-vocab", default=None, metavar="FILE",
+                    help="draft over a reduced vocabulary (a file written by "
+                         "`python -m mtp_jax.draft_vocab`); output unchanged")
+    ap.add_argument("--draft-vocab-size", type=int, default=None, metavar="N",
+                    help="use the N most frequent ids of --draft-vocab (default: all)")
+
+
+# -------------------------------------------------------------------------- CLI
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mtp_jax.draft_vocab",
+                                 description="Write a reduced draft vocabulary file.")
+    ap.add_argument("--model", default="checkpoints")
+    ap.add_argument("--size", type=int, required=True, help="tokens in the set")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text", nargs="+", help="files or folders of text to count")
+    src.add_argument("--outputs", help="a prompts .jsonl (`prompt` fields): count the "
+                                       "model's greedy outputs")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--output", required=True)
+    args = ap.parse_args(argv)
+    from .checkpoint import load
+
+    model = load(args.model)
+    if model.tokenizer is None:
+        print("the model has no tokenizer", file=sys.stderr)
+        return 2
+    v = model.config.vocab_size
+    if args.text:
+        counts = count_text(model.tokenizer, _texts(args.text), v)
+        source = "text: " + ", ".join(os.path.basename(p.rstrip("/")) for p in args.text)
+    else:
+        with open(args.outputs) as f:
+            prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
+        counts = count_outputs(model, prompts, args.max_tokens)
+        source = f"greedy outputs on {os.path.basename(args.outputs)} ({len(prompts)} prompts)"
+    ids = most_frequent(counts, args.size, model.eos_token_ids)
+    save_ids(args.output, ids, source=source, counts=counts)
+    cover = counts[ids].sum() / max(counts.sum(), 1)
+    print(f"{len(ids)} of {v} tokens cover {cover:.4f} of {int(counts.sum())} counted -> "
+          f"{args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = ["with_draft_vocab", "most_frequent", "count_text", "count_outputs", "save_ids",
+           "load_ids", "apply", "head_bytes"]
