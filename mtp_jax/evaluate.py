@@ -25,10 +25,12 @@ every method, so all methods see the same prompts.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import sys
 import time
+import zlib
 from pathlib import Path
 from typing import Optional
 
@@ -60,9 +62,17 @@ def read_dataset(name: str):
         return [({"id": p["task_id"], "prompt": p["prompt"]}, p["task_id"])
                 for p in read_problems().values()]
     try:
-        return list(read_lines(Path(name).read_bytes()))
-    except OSError as e:
-        raise Fatal(f"cannot read dataset {name}: {e.strerror or e}") from None
+        data = Path(name).read_bytes()
+        if data[:2] == b"\x1f\x8b":  # gzip, as HumanEval.jsonl.gz is published
+            data = gzip.decompress(data)
+    except (OSError, EOFError, zlib.error) as e:
+        raise Fatal(f"cannot read dataset {name}: {getattr(e, 'strerror', None) or e}") from None
+    out = []
+    for obj, rid in read_lines(data):
+        if isinstance(obj, dict) and "task_id" in obj and "id" not in obj and "prompt" in obj:
+            obj, rid = {"id": obj["task_id"], "prompt": obj["prompt"]}, obj["task_id"]
+        out.append((obj, rid))  # HumanEval's own rows: task_id and prompt
+    return out
 
 
 def build_prompts(entries, tokenizer, defaults: SamplingParams, limit: Optional[int] = None):

@@ -269,3 +269,22 @@ def test_bad_arguments(files, capsys):
     rc, _, err = call(["--model", files / "model", "--dataset", files / "data.jsonl",
                        "--methods", "chain", "--num-speculative-tokens", 5])
     assert rc == 1 and "num_speculative_tokens" in err
+
+
+def test_dataset_reads_humaneval_as_published(tmp_path):
+    """HumanEval.jsonl.gz as released: gzip, rows keyed by task_id with extra fields."""
+    import gzip
+
+    from mtp_jax.evaluate import Fatal, read_dataset
+
+    rows = [{"task_id": "HumanEval/0", "prompt": "def f():\n", "entry_point": "f",
+             "canonical_solution": "    pass\n", "test": ""},
+            {"id": "own", "prompt": "x = 1\n", "max_tokens": 4}]
+    path = tmp_path / "he.jsonl.gz"
+    path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+    got = read_dataset(str(path))
+    assert got[0] == ({"id": "HumanEval/0", "prompt": "def f():\n"}, "HumanEval/0")
+    assert got[1][0] == rows[1]
+    (tmp_path / "bad.gz").write_bytes(b"\x1f\x8b" + b"\x00" * 8)
+    with pytest.raises(Fatal, match="cannot read dataset"):
+        read_dataset(str(tmp_path / "bad.gz"))
