@@ -444,7 +444,9 @@ def main(argv=None) -> int:
         k = f"auto (0..{engine.spec.k})" if engine.spec.adaptive else engine.spec.k
         held = mode_of(model.params)
         weights = ", ".join(([f"{held} weights"] if held else [])
-                            + ([f"{args.kv_dtype} KV"] if args.kv_dtype else []))
+                            + ([f"{args.kv_dtype} KV"] if args.kv_dtype else [])
+                            + ([f"with a draft vocabulary of {model.config.draft_vocab_size} "
+                                "tokens"] if model.config.draft_vocab_size else []))
         weights = f" ({weights})" if weights else ""
         print(f"{engine.spec.method} K={k} on {model_dir}{weights}: {len(requests)} "
               f"requests, {bad} lines in error, {skipped} skipped (already in the output)",
