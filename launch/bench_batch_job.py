@@ -1,0 +1,194 @@
+"""A batch job end to end through the Engine: where the time goes (prefill vs decode).
+
+  PYTHONPATH=. python launch/bench_batch_job.py [--requests 96] [--prompt-len 1024]
+      [--new-tokens 256] [--max-batch 32] [--methods none,chain] [--k 3] [--shape mimo-7b]
+      [--reps 2] [--tiny]
+
+The 7-8B shape of launch/bench_decode.py with its oracle weights (every draft agrees),
+`requests` random prompts of `prompt-len` tokens and `new-tokens` new tokens each, one
+engine per method (compiled and warmed up first, compile reported apart), the job run
+through `Engine.generate`, best of --reps. Reported per method:
+- wall seconds and generated tokens/s;
+- admission seconds: time in admission (prompt prefill, MTP history prefill, first token),
+  each admission round followed by a wait for its device work so that it is timed on its
+  own (the engine itself overlaps it with nothing either: decoding slots wait meanwhile);
+  decode seconds: the dispatches' time;
+- prefill tokens/s and its FLOP rate, 2 x (target matmul params + MTP matmul params for
+  speculative methods) per prompt token plus causal attention (2 x 2 x layers x q-heads x
+  head_dim x L^2 / 2 per prompt), against the bf16 dense peak of the card when known;
+- slot idle share: 1 - (sum over dispatches of running slots x dispatch seconds) /
+  (max_batch x wall): the slot-time spent waiting on admissions, on the job's ragged end,
+  and on the host.
+With $OUT set, writes bench_batch_job.json there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode import SHAPES, TINY, oracle_model  # noqa: E402
+
+from mtp_jax.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig  # noqa: E402
+from mtp_jax.engine import Engine, Request  # noqa: E402
+
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core FLOP/s (SXM)
+
+
+class TimedEngine(Engine):
+    """The engine, with admission rounds and decode dispatches timed apart."""
+
+    def _fill_slots(self, out):
+        before = self._admissions
+        t0 = time.perf_counter()
+        super()._fill_slots(out)
+        if self._admissions != before:
+            jax.block_until_ready(self.state)
+            self.stats["admit_seconds"] += time.perf_counter() - t0
+            self.stats["admitted"] += self._admissions - before
+
+    def _collect(self):
+        running = sum(x is not None for x in self.slots)
+        t0 = time.perf_counter()
+        done = super()._collect()
+        self.stats["slot_seconds"] += running * (self._ready - self._t_dispatch)
+        self.stats["collect_seconds"] += time.perf_counter() - t0
+        return done
+
+    def stream(self, requests):
+        progs, owner = self.progs, self
+
+        class Timed:  # the programs, with the launch time of each dispatch noted
+            def __getattr__(self, name):
+                return getattr(progs, name)
+
+            def steps(self, kind):
+                fn = progs.steps(kind)
+
+                def call(*a):
+                    owner._t_dispatch = time.perf_counter()
+                    return fn(*a)
+                call._cache_size = fn._cache_size
+                return call
+
+        self.progs = Timed()
+        try:
+            yield from super().stream(requests)
+        finally:
+            self.progs = progs
+
+
+def matmul_params(cfg: ModelConfig, mtp: bool) -> int:
+    """Parameters a prompt token multiplies through (no embedding gather, no lm_head: the
+    prefill computes logits for the last position only)."""
+    per_layer = sum(cfg.block_params(i) for i in range(cfg.num_layers))
+    if not mtp:
+        return per_layer
+    d = cfg.hidden_size
+    return per_layer + sum(cfg.block_params(cfg.num_layers + k) + 2 * d * d
+                           for k in range(cfg.num_mtp_modules))
+
+
+def prefill_flops(cfg: ModelConfig, prompt_len: int, mtp: bool) -> float:
+    layers = cfg.num_layers + (cfg.num_mtp_modules if mtp else 0)
+    attn = 2 * 2 * layers * cfg.num_heads * cfg.head_dim * prompt_len ** 2 / 2
+    return 2 * matmul_params(cfg, mtp) * prompt_len + attn
+
+
+def run_job(model, method, k, args, prompts):
+    cfg = model.config
+    eng_cfg = EngineConfig(max_batch=args.max_batch,
+                           max_model_len=args.prompt_len + args.new_tokens + 8,
+                           prefill_chunk=args.prefill_chunk)
+    t0 = time.perf_counter()
+    eng = TimedEngine(model, SpecConfig(method, num_speculative_tokens=k), eng_cfg)
+    eng.warmup()
+    compile_s = time.perf_counter() - t0
+    reqs = [Request(i, p, SamplingParams(max_tokens=args.new_tokens))
+            for i, p in enumerate(prompts)]
+    best = None
+    for _ in range(args.reps):
+        eng.reset_control()
+        eng.stats.clear()
+        t0 = time.perf_counter()
+        res = eng.generate(reqs)
+        wall = time.perf_counter() - t0
+        if best is None or wall < best["wall_s"]:
+            st = dict(eng.stats)
+            gen = sum(len(r.token_ids) for r in res)
+            flops = len(prompts) * prefill_flops(cfg, args.prompt_len, method != "none")
+            best = {
+                "method": method, "k": k, "compile_s": compile_s, "wall_s": wall,
+                "generated_tokens": gen, "tokens_per_s": gen / wall,
+                "admit_s": st.get("admit_seconds", 0.0),
+                "decode_s": st.get("dispatch_seconds", 0.0),
+                "dispatches": st.get("dispatches", 0),
+                "prefill_tokens_per_s": len(prompts) * args.prompt_len
+                / max(st.get("admit_seconds", 0.0), 1e-9),
+                "prefill_flop_per_s": flops / max(st.get("admit_seconds", 0.0), 1e-9),
+                "slot_idle_share": 1 - st.get("slot_seconds", 0.0) / (args.max_batch * wall),
+                "max_running": st.get("max_running", 0),
+                "schedule": eng.control.summary() if eng.control is not None else None,
+                "tokens": [r.token_ids for r in res]}
+    del eng
+    return best
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=96)
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--prefill-chunk", type=int, default=256)
+    ap.add_argument("--methods", default="none,chain")
+    ap.add_argument("--k", default="3", help="K of the speculative methods (an int or auto)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="mimo-7b")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke run)")
+    args = ap.parse_args(argv)
+    cfg = ModelConfig(**(TINY if args.tiny else SHAPES[args.shape]))
+    dev = jax.devices()[0]
+    peak = next((v for name, v in PEAK_BF16.items() if name in dev.device_kind), None)
+    print(f"device {dev.device_kind}, jax {jax.__version__}", flush=True)
+    model = oracle_model(cfg, jnp.dtype(cfg.dtype))
+    prompts = np.random.default_rng(0).integers(
+        0, cfg.vocab_size, (args.requests, args.prompt_len)).tolist()
+    k = args.k if args.k == "auto" else int(args.k)
+    runs = [run_job(model, m, 1 if m == "none" else k, args, prompts)
+            for m in args.methods.split(",")]
+    want = runs[0].pop("tokens")
+    for r in runs[1:]:
+        r["same_tokens_as_first"] = r.pop("tokens") == want
+    for r in runs:
+        r["vs_first"] = runs[0]["wall_s"] / r["wall_s"]
+        r["prefill_pct_of_peak"] = (100 * r["prefill_flop_per_s"] / peak) if peak else None
+        print(f"{r['method']} K={r['k']}: wall {r['wall_s']:.2f} s ({r['vs_first']:.2f}x "
+              f"the first), {r['tokens_per_s']:.0f} generated tok/s; admission "
+              f"{r['admit_s']:.2f} s ({100 * r['admit_s'] / r['wall_s']:.0f} %), decode "
+              f"{r['decode_s']:.2f} s in {r['dispatches']} dispatches; prefill "
+              f"{r['prefill_tokens_per_s']:.0f} tok/s, "
+              f"{r['prefill_flop_per_s'] / 1e12:.0f} TFLOP/s"
+              + (f" ({r['prefill_pct_of_peak']:.0f} % of peak)" if peak else "")
+              + f"; slot idle {100 * r['slot_idle_share']:.0f} %; compile "
+              f"{r['compile_s']:.0f} s" + (f"; {r['schedule']}" if r["schedule"] else ""),
+              flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "bench_batch_job.json"), "w") as f:
+            json.dump({"device": dev.device_kind, "jax": jax.__version__, "args": vars(args),
+                       "peak_bf16_flop_per_s": peak, "runs": runs}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
