@@ -237,6 +237,9 @@ class _CtrlC:
         raise KeyboardInterrupt
 
     def install(self) -> None:
+        self._old = None
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            return  # started with SIGINT ignored (nohup, a background job): keep it so
         try:
             self._old = signal.signal(signal.SIGINT, self._handler)
         except ValueError:  # not the main thread: leave Python's handler in place

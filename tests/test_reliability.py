@@ -827,7 +827,10 @@ def test_sigint_then_sigkill_then_resume(ckpt, alone, tmp_path):
                            for k, v in prompts.items()))
     args = cli(["--model", ckpt / "hf", "--input", inp, "--output", out, "--method", "none",
                 "--max-batch", "1", "--max-model-len", "16", "--max-tokens", "6"])
-    popen = dict(stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=cli_env(), cwd=REPO)
+    # SIGINT as a terminal delivers it: a child of a background job inherits it ignored,
+    # and the CLI keeps an inherited SIG_IGN
+    popen = dict(stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=cli_env(), cwd=REPO,
+                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
     proc = subprocess.Popen(args, **popen)
     _wait_for_lines(out, 5, proc)
@@ -865,22 +868,42 @@ def test_an_interrupt_python_swallows_still_stops_the_job():
     """A SIGINT that lands while a finalizer runs raises KeyboardInterrupt inside it, and
     Python only prints that; the CLI's handler also sets a flag, which the check after the
     next record turns into the interrupt (the job used to run to the end, exit 0)."""
-    before = signal.getsignal(signal.SIGINT)  # SIG_IGN when pytest runs in the background
+    # as in a terminal (pytest run in the background inherits SIGINT ignored)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     ctrl_c = generate._CtrlC()
-    ctrl_c.install()
     try:
-        class Finalized:
-            def __del__(self):
-                os.kill(os.getpid(), signal.SIGINT)
-                for _ in range(10_000):  # the handler runs between these bytecodes
-                    pass
+        ctrl_c.install()
+        try:
+            class Finalized:
+                def __del__(self):
+                    os.kill(os.getpid(), signal.SIGINT)
+                    for _ in range(10_000):  # the handler runs between these bytecodes
+                        pass
 
-        Finalized()  # dropped at once: __del__ runs, its KeyboardInterrupt is swallowed
-        with pytest.raises(KeyboardInterrupt):
-            ctrl_c.check()
+            Finalized()  # dropped at once: __del__ runs, its KeyboardInterrupt is swallowed
+            with pytest.raises(KeyboardInterrupt):
+                ctrl_c.check()
+        finally:
+            ctrl_c.restore()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_an_ignored_sigint_stays_ignored():
+    """A job started with SIGINT ignored (nohup, `cmd &` in a script) keeps ignoring it:
+    the CLI does not install its handler over SIG_IGN."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        ctrl_c = generate._CtrlC()
+        ctrl_c.install()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGINT)  # ignored: nothing raised, no flag
+        ctrl_c.check()
         ctrl_c.restore()
-    assert signal.getsignal(signal.SIGINT) is before
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def test_cli_interrupt_while_reading_lines_exits_130_with_whole_records(
