@@ -866,13 +866,17 @@ def _full_index(index, shape) -> tuple:
     return tuple(x if isinstance(x, slice) else slice(x, x + 1) for x in index)
 
 
-def save_hf(model: Model, path: str, *, dtype=None, max_shard_bytes: Optional[int] = None,
-            extra_config: Optional[dict] = None) -> None:
-    """Export in the HF layout of `model.config.layout` (sharded if max_shard_bytes is set)."""
+def _refuse_draft_vocab(model: Model) -> None:
     if model.config.draft_vocab_size:
         raise CheckpointError("this model drafts over a reduced vocabulary, a run-time "
                               "option: save the model it was made from and pass the ids "
                               "file with --draft-vocab")
+
+
+def save_hf(model: Model, path: str, *, dtype=None, max_shard_bytes: Optional[int] = None,
+            extra_config: Optional[dict] = None) -> None:
+    """Export in the HF layout of `model.config.layout` (sharded if max_shard_bytes is set)."""
+    _refuse_draft_vocab(model)
     os.makedirs(path, exist_ok=True)
     cfg = model.config
     dt = np.dtype(ml_dtypes.bfloat16) if (dtype or cfg.dtype) == "bfloat16" else np.dtype(
@@ -1022,10 +1026,7 @@ def _str_keys(flat: dict) -> dict:
 
 def save_orbax(model: Model, path: str) -> None:
     """Save converted params with orbax, plus config.json and tokenizer.json beside them."""
-    if model.config.draft_vocab_size:
-        raise CheckpointError("this model drafts over a reduced vocabulary, a run-time "
-                              "option: save the model it was made from and pass the ids "
-                              "file with --draft-vocab")
+    _refuse_draft_vocab(model)
     import orbax.checkpoint as ocp
 
     path = os.path.abspath(path)

@@ -73,14 +73,6 @@ def with_draft_vocab(model, ids):
                        dtype, **extra)
 
 
-def head_bytes(model) -> dict:
-    """Head bytes one draft step reads per module: full vocabulary and as held."""
-    cfg = model.config
-    d, item = cfg.hidden_size, np.dtype(model.dtype).itemsize
-    return {"full": d * cfg.vocab_size * item,
-            "draft": d * (cfg.draft_vocab_size or cfg.vocab_size) * item}
-
-
 # -------------------------------------------------------------- choosing the set
 def most_frequent(counts, n: int, always: Iterable[int] = ()) -> np.ndarray:
     """The n ids with the highest counts (ties: lower id first), `always` included."""
@@ -108,14 +100,17 @@ def count_text(tokenizer, texts: Iterable[str], vocab_size: int) -> np.ndarray:
     return counts
 
 
+TEXT_SUFFIXES = (".py", ".txt", ".md", ".json", ".jsonl")
+
+
 def _texts(paths: list) -> Iterable[str]:
+    """The text of each file named, and of each text file under each folder named."""
     for p in paths:
-        files = [os.path.join(r, f) for r, _, fs in os.walk(p) for f in sorted(fs)] \
-            if os.path.isdir(p) else [p]
-        for f in sorted(files):
-            if f.endswith((".py", ".txt", ".md", ".json", ".jsonl")) or not os.path.isdir(p):
-                with open(f, encoding="utf-8", errors="replace") as fh:
-                    yield fh.read()
+        files = sorted(os.path.join(r, f) for r, _, fs in os.walk(p) for f in fs
+                       if f.endswith(TEXT_SUFFIXES)) if os.path.isdir(p) else [p]
+        for f in files:
+            with open(f, encoding="utf-8", errors="replace") as fh:
+                yield fh.read()
 
 
 def count_outputs(model, prompts: list, max_tokens: int, max_batch: int = 16) -> np.ndarray:
@@ -139,7 +134,8 @@ def count_outputs(model, prompts: list, max_tokens: int, max_batch: int = 16) ->
 
 
 # ------------------------------------------------------------------------ files
-def save_ids(path: str, ids, *, source: str, counts=None) -> None:
+def save_ids(path: str, ids, *, source: str, counts=None) -> Optional[float]:
+    """Write the ids file; returns the share of `counts` the ids cover (None without)."""
     ids = [int(i) for i in ids]
     doc = {"format": FORMAT, "size": len(ids), "source": source, "ids": ids}
     if counts is not None:
@@ -147,6 +143,7 @@ def save_ids(path: str, ids, *, source: str, counts=None) -> None:
         doc["coverage"] = float(counts[ids].sum() / max(counts.sum(), 1))
     with open(path, "w") as f:
         json.dump(doc, f)
+    return doc.get("coverage")
 
 
 def load_ids(path: str, size: Optional[int] = None) -> np.ndarray:
@@ -215,8 +212,7 @@ def main(argv=None) -> int:
         counts = count_outputs(model, prompts, args.max_tokens)
         source = f"greedy outputs on {os.path.basename(args.outputs)} ({len(prompts)} prompts)"
     ids = most_frequent(counts, args.size, model.eos_token_ids)
-    save_ids(args.output, ids, source=source, counts=counts)
-    cover = counts[ids].sum() / max(counts.sum(), 1)
+    cover = save_ids(args.output, ids, source=source, counts=counts)
     print(f"{len(ids)} of {v} tokens cover {cover:.4f} of {int(counts.sum())} counted -> "
           f"{args.output}")
     return 0
@@ -227,4 +223,4 @@ if __name__ == "__main__":
 
 
 __all__ = ["with_draft_vocab", "most_frequent", "count_text", "count_outputs", "save_ids",
-           "load_ids", "apply", "head_bytes"]
+           "load_ids", "apply"]

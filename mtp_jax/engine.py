@@ -514,10 +514,12 @@ class Engine:
                 self._hold_pages(n)
                 running = sum(x is not None for x in self.slots)
                 self.stats["max_running"] = max(self.stats["max_running"], running)
-                timed = not admitted  # else the dispatch would also wait for prefills
-                if self.control and self.control.probe and admitted:
-                    jax.block_until_ready(self.state)  # a measurement: time the steps alone
-                    timed = True
+                # after an admission the dispatch would also wait for its prefills: a
+                # measurement waits for them first and times the steps alone, others go
+                # untimed
+                timed = not admitted or (self.control is not None and self.control.probe)
+                if admitted and timed:
+                    jax.block_until_ready(self.state)
                 t0 = time.perf_counter()
                 self.state = self.progs.steps(kind)(self.model.params, self.state, jnp.int32(n))
                 done = self._collect()

@@ -41,8 +41,8 @@ from .checkpoint import CheckpointError, load
 from .compile_cache import add_compile_cache_option
 from .config import (ConfigError, EngineConfig, SamplingParams, SpecConfig,
                      parse_num_speculative_tokens)
-from .generate import (Fatal, LineError, add_quantize_option, build_request,
-                       default_model_dir, read_lines)
+from .generate import (Fatal, LineError, add_quantize_option, apply_draft_vocab,
+                       build_request, default_model_dir, read_lines)
 from .quant import mode_of
 
 DRAFT_METHODS = ("chain", "window", "per_step", "eagle")
@@ -69,9 +69,10 @@ def read_dataset(name: str):
         raise Fatal(f"cannot read dataset {name}: {getattr(e, 'strerror', None) or e}") from None
     out = []
     for obj, rid in read_lines(data):
+        # HumanEval's own rows: task_id and prompt (and fields evaluate does not take)
         if isinstance(obj, dict) and "task_id" in obj and "id" not in obj and "prompt" in obj:
             obj, rid = {"id": obj["task_id"], "prompt": obj["prompt"]}, obj["task_id"]
-        out.append((obj, rid))  # HumanEval's own rows: task_id and prompt
+        out.append((obj, rid))
     return out
 
 
@@ -447,10 +448,7 @@ def evaluate(args, log) -> dict:
     if args.dtype == "float32":  # full f32 matmuls too (no TF32 / bf16 passes on GPU)
         jax.config.update("jax_default_matmul_precision", "highest")
     model_dir, model = load_model(args.model, args.dtype, args.quantize)
-    try:
-        model = draft_vocab.apply(model, args.draft_vocab, args.draft_vocab_size)
-    except ConfigError as err:
-        raise Fatal(f"--draft-vocab: {err}") from None
+    model = apply_draft_vocab(model, args)
     cfg = model.config
     if cfg.num_mtp_modules < 1:
         raise Fatal(f"{model_dir} has no MTP modules: there is nothing to evaluate")

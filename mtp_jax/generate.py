@@ -288,6 +288,14 @@ def load_model(model_dir: Path, mesh=None, quantize=None):
         raise Fatal(f"cannot load model {model_dir}: {type(e).__name__}: {e}") from None
 
 
+def apply_draft_vocab(model, args):
+    """`model` with the --draft-vocab of `args` (if any), or Fatal saying why not."""
+    try:
+        return draft_vocab.apply(model, args.draft_vocab, args.draft_vocab_size)
+    except ConfigError as e:
+        raise Fatal(f"--draft-vocab: {e}") from None
+
+
 def make_engine(args):
     """(model folder, model, Engine) from the command line, or Fatal saying why not."""
     if args.model:
@@ -302,11 +310,7 @@ def make_engine(args):
         mesh = make_mesh(args.mesh)
     except ValueError as e:
         raise Fatal(str(e)) from None
-    model = load_model(model_dir, mesh, args.quantize)
-    try:
-        model = draft_vocab.apply(model, args.draft_vocab, args.draft_vocab_size)
-    except ConfigError as e:
-        raise Fatal(f"--draft-vocab: {e}") from None
+    model = apply_draft_vocab(load_model(model_dir, mesh, args.quantize), args)
     cfg = model.config
     if args.stop and model.tokenizer is None:
         raise Fatal("--stop needs a tokenizer and the model has no tokenizer.json")
