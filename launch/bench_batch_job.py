@@ -2,12 +2,14 @@
 
   PYTHONPATH=. python launch/bench_batch_job.py [--requests 96] [--prompt-len 1024]
       [--new-tokens 256] [--max-batch 32] [--methods none,chain] [--k 3] [--shape mimo-7b]
-      [--reps 2] [--tiny]
+      [--prefill-chunk 256] [--prefill-batch 1,8] [--reps 2] [--tiny]
 
 The 7-8B shape of launch/bench_decode.py with its oracle weights (every draft agrees),
 `requests` random prompts of `prompt-len` tokens and `new-tokens` new tokens each, one
-engine per method (compiled and warmed up first, compile reported apart), the job run
-through `Engine.generate`, best of --reps. Reported per method:
+engine per method and prefill batch (requests prefilled together: 1 is one request per
+prefill forward, as before batched prefill; `auto` the engine's default), compiled and
+warmed up first, compile reported apart; the job run through `Engine.generate`, best of
+--reps. Reported per run:
 - wall seconds and generated tokens/s;
 - admission seconds: time in admission (prompt prefill, MTP history prefill, first token),
   each admission round followed by a wait for its device work so that it is timed on its
@@ -105,11 +107,11 @@ def prefill_flops(cfg: ModelConfig, prompt_len: int, mtp: bool) -> float:
     return 2 * matmul_params(cfg, mtp) * prompt_len + attn
 
 
-def run_job(model, method, k, args, prompts):
+def run_job(model, method, k, rows, args, prompts):
     cfg = model.config
     eng_cfg = EngineConfig(max_batch=args.max_batch,
                            max_model_len=args.prompt_len + args.new_tokens + 8,
-                           prefill_chunk=args.prefill_chunk)
+                           prefill_chunk=args.prefill_chunk, prefill_batch=rows)
     t0 = time.perf_counter()
     eng = TimedEngine(model, SpecConfig(method, num_speculative_tokens=k), eng_cfg)
     eng.warmup()
@@ -128,7 +130,8 @@ def run_job(model, method, k, args, prompts):
             gen = sum(len(r.token_ids) for r in res)
             flops = len(prompts) * prefill_flops(cfg, args.prompt_len, method != "none")
             best = {
-                "method": method, "k": k, "compile_s": compile_s, "wall_s": wall,
+                "method": method, "k": k, "prefill_batch": eng.config.prefill_batch,
+                "compile_s": compile_s, "wall_s": wall,
                 "generated_tokens": gen, "tokens_per_s": gen / wall,
                 "admit_s": st.get("admit_seconds", 0.0),
                 "decode_s": st.get("dispatch_seconds", 0.0),
@@ -151,6 +154,8 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--prefill-chunk", type=int, default=256)
+    ap.add_argument("--prefill-batch", default="auto",
+                    help="comma list of requests prefilled together (ints or auto)")
     ap.add_argument("--methods", default="none,chain")
     ap.add_argument("--k", default="3", help="K of the speculative methods (an int or auto)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="mimo-7b")
@@ -165,29 +170,40 @@ def main(argv=None):
     prompts = np.random.default_rng(0).integers(
         0, cfg.vocab_size, (args.requests, args.prompt_len)).tolist()
     k = args.k if args.k == "auto" else int(args.k)
-    runs = [run_job(model, m, 1 if m == "none" else k, args, prompts)
-            for m in args.methods.split(",")]
-    want = runs[0].pop("tokens")
-    for r in runs[1:]:
-        r["same_tokens_as_first"] = r.pop("tokens") == want
-    for r in runs:
-        r["vs_first"] = runs[0]["wall_s"] / r["wall_s"]
-        r["prefill_pct_of_peak"] = (100 * r["prefill_flop_per_s"] / peak) if peak else None
-        print(f"{r['method']} K={r['k']}: wall {r['wall_s']:.2f} s ({r['vs_first']:.2f}x "
-              f"the first), {r['tokens_per_s']:.0f} generated tok/s; admission "
-              f"{r['admit_s']:.2f} s ({100 * r['admit_s'] / r['wall_s']:.0f} %), decode "
-              f"{r['decode_s']:.2f} s in {r['dispatches']} dispatches; prefill "
-              f"{r['prefill_tokens_per_s']:.0f} tok/s, "
-              f"{r['prefill_flop_per_s'] / 1e12:.0f} TFLOP/s"
-              + (f" ({r['prefill_pct_of_peak']:.0f} % of peak)" if peak else "")
-              + f"; slot idle {100 * r['slot_idle_share']:.0f} %; compile "
-              f"{r['compile_s']:.0f} s" + (f"; {r['schedule']}" if r["schedule"] else ""),
-              flush=True)
     out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "bench_batch_job.json"), "w") as f:
-            json.dump({"device": dev.device_kind, "jax": jax.__version__, "args": vars(args),
-                       "peak_bf16_flop_per_s": peak, "runs": runs}, f, indent=1)
+    runs, want = [], None
+    for rows in args.prefill_batch.split(","):
+        for m in args.methods.split(","):
+            r = run_job(model, m, 1 if m == "none" else k,
+                        None if rows == "auto" else int(rows), args, prompts)
+            if want is None:
+                want = r.pop("tokens")
+            else:
+                r["same_tokens_as_first"] = r.pop("tokens") == want
+            runs.append(r)
+            report(r, runs[0], peak)
+            if out:  # after every run: a later one may not finish in the time given
+                with open(os.path.join(out, "bench_batch_job.json"), "w") as f:
+                    json.dump({"device": dev.device_kind, "jax": jax.__version__,
+                               "args": vars(args), "peak_bf16_flop_per_s": peak,
+                               "runs": runs}, f, indent=1)
+
+
+def report(r: dict, first: dict, peak) -> None:
+    r["vs_first"] = first["wall_s"] / r["wall_s"]
+    r["prefill_pct_of_peak"] = (100 * r["prefill_flop_per_s"] / peak) if peak else None
+    print(f"{r['method']} K={r['k']} prefill batch {r['prefill_batch']}: wall "
+          f"{r['wall_s']:.2f} s ({r['vs_first']:.2f}x the first), {r['tokens_per_s']:.0f} "
+          f"generated tok/s; admission {r['admit_s']:.2f} s "
+          f"({100 * r['admit_s'] / r['wall_s']:.0f} %), decode {r['decode_s']:.2f} s in "
+          f"{r['dispatches']} dispatches; prefill {r['prefill_tokens_per_s']:.0f} tok/s, "
+          f"{r['prefill_flop_per_s'] / 1e12:.0f} TFLOP/s"
+          + (f" ({r['prefill_pct_of_peak']:.0f} % of peak)" if peak else "")
+          + f"; slot idle {100 * r['slot_idle_share']:.0f} %"
+          + ("" if "same_tokens_as_first" not in r else
+             f"; tokens {'==' if r['same_tokens_as_first'] else '!='} the first's")
+          + f"; compile {r['compile_s']:.0f} s"
+          + (f"; {r['schedule']}" if r["schedule"] else ""), flush=True)
 
 
 if __name__ == "__main__":

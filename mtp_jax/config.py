@@ -628,6 +628,10 @@ class EngineConfig:
     kv_memory_gb: Optional[float] = None
     steps_per_dispatch: int = 32
     prefill_chunk: int = 256  # largest prefill chunk; smaller chunks are powers of two
+    # requests prefilled together, a row each of one forward (a power of two; fewer rows
+    # run in the next power of two). None: 1 on CPU, 8 on GPU and TPU, where a 256-token
+    # chunk alone leaves the matmuls far from peak (docs/BENCHMARKS.md, prefill)
+    prefill_batch: Optional[int] = None
     max_stop_ids: int = 8
     attention_backend: Optional[str] = None  # None: by jax.default_backend()
     kv_dtype: Optional[str] = None  # None: the model's dtype; "fp8": float8_e4m3fn pages
@@ -640,6 +644,10 @@ class EngineConfig:
             raise ConfigError("max_batch >= 1, max_model_len >= 2, page_size >= 1 required")
         if self.prefill_chunk & (self.prefill_chunk - 1) or self.prefill_chunk < 8:
             raise ConfigError("prefill_chunk must be a power of two >= 8")
+        r = self.prefill_batch
+        if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 1
+                              or r & (r - 1)):
+            raise ConfigError(f"prefill_batch must be a power of two >= 1 (or None), got {r!r}")
         if self.steps_per_dispatch < 1:
             raise ConfigError("steps_per_dispatch must be >= 1")
 

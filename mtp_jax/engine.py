@@ -2,16 +2,17 @@
 
 Continuous batching over `max_batch` fixed slots. Requests queue in order; the head of
 the queue is admitted when a slot is free and the pages of its prompt (+ K positions) fit
-the pools. KV pages are held as sequences grow: before each dispatch every running request
-is given the pages that dispatch can write (its length + steps * (K + 1) + K, capped at
-prompt + max_tokens + K), so the decode loop never allocates. When the pool cannot cover
+the pools. KV pages are held as sequences grow: before each dispatch every running
+request is given the pages that dispatch can write (its length + steps * (K + 1) + K,
+capped at prompt + max_tokens + K), so the decode loop never allocates. When the pool cannot cover
 that, the most recently admitted running request is preempted: its pages are freed and it
 goes back to the head of the queue with its generated tokens appended to its prompt, to be
 prefilled again and continued (same ids, seeds and positions, so the same output); its
 result joins both parts. Sampled requests verified by rejection sampling (a fixed K) hold
 their whole reservation from admission instead and are never preempted: their tokens
-depend on the drafts, which a continuation would draw anew. Admission runs the chunked prefill (target, then the MTP
-history, then the first drafts) for that slot.
+depend on the drafts, which a continuation would draw anew. Admission runs the chunked
+prefill (target, then the MTP history, then the first drafts) of up to `prefill_batch`
+requests admitted together in one batch, a row each of every forward.
 Then one dispatch runs up to `steps_per_dispatch` speculative steps on device (with
 adaptive speculation, of the step kind `mtp_jax.adaptive` picks for it); between
 dispatches the host collects finished requests (stop ids, budget, max_model_len and NaN
@@ -43,6 +44,10 @@ from .step import (FINISH_ERROR, FINISH_LENGTH, FINISH_NONE, FINISH_STOP, Static
                    programs)
 
 _REASONS = {FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_ERROR: "error"}
+# Prompt tokens below which a prefill forward costs about the same whatever it carries:
+# its matmuls are bound by the weight reads (an H100 reaches its bf16 peak from ~300
+# FLOPs per weight byte, i.e. ~300 rows). Sets the shortest chunk of a multi-row prefill.
+PREFILL_MIN_TOKENS = 256
 
 
 @dataclasses.dataclass
@@ -125,6 +130,12 @@ class Engine:
         spec = spec.resolve(model.config)  # "auto" -> adaptive up to the module count
         compile_cache.enable()  # warm starts; $MTP_JAX_COMPILE_CACHE=off disables
         eng = dataclasses.replace(config or EngineConfig(), **overrides)
+        if eng.prefill_batch is None:  # rows help where matmuls need them to reach peak
+            eng = dataclasses.replace(eng, prefill_batch=1 if jax.default_backend() == "cpu"
+                                      else 8)
+        # never more rows than slots (rounded up to the power of two that runs them)
+        eng = dataclasses.replace(eng, prefill_batch=min(
+            eng.prefill_batch, 1 << (eng.max_batch - 1).bit_length()))
         scales = None
         if eng.kv_dtype == "fp8":
             if model.kv_scales is None:  # calibrated once per model, kept with it
@@ -181,19 +192,41 @@ class Engine:
                   max(16, 1 << (self.config.max_model_len - 1).bit_length()))
         return sorted({self._bucket(1 << i) for i in range(top.bit_length())} | {top})
 
+    def row_buckets(self) -> list[int]:
+        """Prefill batch sizes (rows of one prefill forward): powers of two up to
+        `prefill_batch`."""
+        return [1 << i for i in range(self.static.prefill_rows.bit_length())]
+
+    def prefill_programs(self) -> list[tuple]:
+        """(rows, chunk length) of every prefill program. A forward of r > 1 rows runs
+        chunks of at least PREFILL_MIN_TOKENS / r: below that it is bound by its weight
+        reads, so shorter chunks would cost as much and only add compiles. One row keeps
+        every chunk length (on CPU, where prefill_batch is 1, short chunks do cost less)."""
+        return [(r, c) for r in self.row_buckets() for c in self.buckets()
+                if c >= self._chunk(r, 1)]
+
+    def _chunk(self, rows: int, n: int) -> int:
+        """The chunk length that runs n prompt tokens per row in a forward of `rows` rows."""
+        top = self.buckets()[-1]
+        return min(top, max(self._bucket(n), PREFILL_MIN_TOKENS // rows if rows > 1 else 0))
+
     def warmup(self) -> float:
-        """Compile every program (all prefill buckets) on an idle slot; returns seconds.
-        Again after `jax.clear_caches()` dropped the executables."""
+        """Compile every program (all prefill buckets and row counts) on idle slots;
+        returns seconds. Again after `jax.clear_caches()` dropped the executables."""
         if self._warm and all(self.cache_sizes().values()):
             return 0.0
         t0 = time.perf_counter()
         p, st = self.model.params, self.state
-        slot, zero = jnp.int32(0), jnp.int32(0)
-        for c in self.buckets():
-            st, logits = self.progs.prefill_target(c)(p, st, slot, zero, jnp.int32(1))
+        for r, c in self.prefill_programs():  # padding rows only: nothing is written
+            slots = np.full((r,), self.config.max_batch, np.int32)
+            zero = np.zeros((r,), np.int32)
+            logits = jnp.zeros((r, self.model.config.vocab_size), jnp.float32)
+            st, logits = self.progs.prefill_target(c)(p, st, slots, zero, zero, logits)
             if self.spec.k:
-                st = self.progs.prefill_mtp(c)(p, st, slot, zero, zero)
-        self.state = self.progs.prefill_finish(p, st, slot, logits, jnp.int32(1))
+                st = self.progs.prefill_mtp(c)(p, st, slots, zero, zero)
+            if c == self.buckets()[-1]:
+                st = self.progs.prefill_finish(p, st, slots, logits, zero)
+        self.state = st
         # admit a dummy request onto null pages with every KV write dropped (limit 0), run
         # one step of each kind and free the slot again, with the argument types the real
         # calls use. The step bodies must execute here, not only compile: a program's
@@ -238,11 +271,11 @@ class Engine:
     def cache_sizes(self) -> dict:
         """Compiled-program cache sizes (for checking that nothing recompiles)."""
         out = {n: getattr(self.progs, n)._cache_size()
-               for n in ("admit", "release", "prefill_finish", "grow")}
+               for n in ("admit", "release", "prefill_finish", "grow")}  # finish: per row count
         out["run_steps"] = sum(self.progs.steps(k)._cache_size() for k in self.static.kinds)
         for n in ("prefill_target", "prefill_mtp") if self.spec.k else ("prefill_target",):
             fns = [getattr(self.progs, n)(c) for c in self.buckets()]
-            out[n] = sum(f._cache_size() for f in fns)
+            out[n] = sum(f._cache_size() for f in fns)  # per chunk length and row count
         return out
 
     # ------------------------------------------------------------------ checks
@@ -299,9 +332,11 @@ class Engine:
         return self.spec.k > 0 and not self.static.coupled and req.sampling.temperature > 0
 
     # --------------------------------------------------------------- admission
-    def _admit_slot(self, slot: int, req: Request, pages: list, limit: Optional[int] = None):
-        """The admit program for `req` in `slot` on its reserved pages; returns the state.
-        `limit`: KV positions it may write (default: its reservation)."""
+    def _admit_slot(self, slot: int, req: Request, pages: list, limit: Optional[int] = None,
+                    row: int = 0):
+        """The admit program for `req` in `slot` on its reserved pages, its prompt in
+        scratch row `row`; returns the state. `limit`: KV positions it may write (default:
+        its reservation)."""
         s, eng = self.static, self.config
         prompt = np.asarray(req.prompt_ids, np.int32)
         buf = np.zeros((s.scratch_len,), np.int32)
@@ -315,36 +350,36 @@ class Engine:
         sp = req.sampling
         tokens = self._admit_tokens(req) if limit is None else limit
         self.state = self.progs.admit(
-            self.state, jnp.int32(slot), buf, jnp.int32(tokens),
+            self.state, jnp.int32(slot), jnp.int32(row), buf, jnp.int32(tokens),
             jnp.int32(self._budget(req)), stops, jnp.float32(sp.temperature),
             jnp.int32(sp.top_k), jnp.float32(sp.top_p),
             np.asarray(split_seed(sp.seed), np.uint32), jnp.bool_(sp.relaxed),
             jnp.bool_(self._thinking(prompt)), rows, full)
         return self.state
 
-    def _admit(self, slot: int, req: Request, pages: list) -> None:
-        """Admit `req` into `slot` and run its prefill."""
+    def _prefill(self, slots: np.ndarray, prompt_len: np.ndarray) -> None:
+        """Prefill a batch of admitted requests together, a row each (slots [r], padding
+        rows max_batch with prompt length 0): the target's chunks, the MTP history's, then
+        each row's first token and drafts. Chunk lengths follow the longest remainder."""
         s, eng, p = self.static, self.config, self.model.params
-        st = self._admit_slot(slot, req, pages)
-        self._seen[slot] = 0
-        self._generated[slot] = 0
-        plen = len(req.prompt_ids)
-        sl = jnp.int32(slot)
-        start, logits = 0, None
-        while start < plen:
-            n = min(eng.prefill_chunk, plen - start)
-            st, logits = self.progs.prefill_target(self._bucket(n))(
-                p, st, sl, jnp.int32(start), jnp.int32(n))
-            start += n
-        history_end = plen - 1 - s.k  # the final draft window starts here
+        st = self.state
+        logits = jnp.zeros((len(slots), self.model.config.vocab_size), jnp.float32)
+
+        def chunks(end):  # (chunk length, starts, valid lengths) until every row is done
+            start = np.zeros_like(end)
+            while (start < end).any():
+                c = self._chunk(len(slots), int((end - start).max()))
+                valid = np.clip(end - start, 0, c).astype(np.int32)
+                yield c, start, valid
+                start = start + valid
+
+        for c, start, valid in chunks(prompt_len):
+            st, logits = self.progs.prefill_target(c)(p, st, slots, start, valid, logits)
         if s.k:
-            start = 0
-            while start < history_end:
-                n = min(eng.prefill_chunk, history_end - start)
-                st = self.progs.prefill_mtp(self._bucket(n))(
-                    p, st, sl, jnp.int32(start), jnp.int32(history_end))
-                start += n
-        self.state = self.progs.prefill_finish(p, st, sl, logits, jnp.int32(plen))
+            history_end = (prompt_len - 1 - s.k).astype(np.int32)  # final windows start here
+            for c, start, _ in chunks(history_end):
+                st = self.progs.prefill_mtp(c)(p, st, slots, start, history_end)
+        self.state = self.progs.prefill_finish(p, st, slots, logits, prompt_len)
 
     def _thinking(self, prompt) -> bool:
         """Whether the prompt leaves the request inside a thinking phase."""
@@ -358,38 +393,74 @@ class Engine:
         return min(self.config.prefill_chunk, max(16, 1 << (n - 1).bit_length()))
 
     def _fill_slots(self, out: list) -> None:
+        """Admit queued requests into free slots, in order, prefilling up to
+        `prefill_batch` of them together."""
+        batch = []  # (slot, request, pages, tokens, origin), admitted, not yet prefilled
         for slot in range(self.config.max_batch):
             if self.slots[slot] is not None:
                 continue
-            while self.queue:
-                req = self.queue[0]
-                err = self.check(req)
-                if err:
-                    self.queue.popleft()
-                    out.append(self._error(req, err))
-                    continue
-                tokens = self._admit_tokens(req)
-                pages = self.alloc.reserve(tokens)
-                if pages is None:
-                    return  # wait for pages to be released, keep the order
+            item = self._take(slot, len(batch), out)
+            if item is None:
+                break  # the queue is empty, or its head waits for pages (keep the order)
+            batch.append(item)
+            if len(batch) == self.static.prefill_rows:
+                self._prefill_batch(batch, out)
+                batch = []
+        if batch:
+            self._prefill_batch(batch, out)
+
+    def _take(self, slot: int, row: int, out: list) -> Optional[tuple]:
+        """Admit the head of the queue into `slot` (its prompt in scratch row `row`):
+        (slot, request, pages, tokens, origin), or None if nothing can be admitted now.
+        Requests that can never run get their error results in `out`."""
+        while self.queue:
+            req = self.queue[0]
+            err = self.check(req)
+            if err:
                 self.queue.popleft()
-                origin = self._resumed.pop(id(req), None)
-                try:
-                    self._admit(slot, req, pages)
-                except Exception as e:  # never lose the batch or leak the reservation
-                    self.alloc.release(pages)
-                    self.state = self.progs.release(self.state, self._mask([slot]))
-                    out.append(self._error(origin.req if origin else req,
-                                           f"could not admit: {type(e).__name__}: {e}"))
-                    continue
-                self._admissions += 1
-                self.slots[slot] = _Live(req, pages, tuple(req.sampling.stop),
-                                         order=self._admissions, tokens=tokens, origin=origin,
-                                         pinned=self._pinned(req))
-                self._generated[slot] = 1  # the first token, sampled at admission
-                break
-            else:
-                return
+                out.append(self._error(req, err))
+                continue
+            tokens = self._admit_tokens(req)
+            pages = self.alloc.reserve(tokens)
+            if pages is None:
+                return None
+            self.queue.popleft()
+            origin = self._resumed.pop(id(req), None)
+            try:
+                self._admit_slot(slot, req, pages, row=row)
+            except Exception as e:  # never lose the batch or leak the reservation
+                self._refuse([(slot, req, pages, tokens, origin)], e, out)
+                continue
+            self._seen[slot] = 0
+            self._generated[slot] = 0
+            return slot, req, pages, tokens, origin
+        return None
+
+    def _prefill_batch(self, batch: list, out: list) -> None:
+        """Prefill the admitted `batch` in one row-padded batch; the slots start running."""
+        r = 1 << (len(batch) - 1).bit_length()
+        slots = np.full((r,), self.config.max_batch, np.int32)
+        prompt_len = np.zeros((r,), np.int32)
+        for i, (slot, req, *_) in enumerate(batch):
+            slots[i], prompt_len[i] = slot, len(req.prompt_ids)
+        try:
+            self._prefill(slots, prompt_len)
+        except Exception as e:
+            self._refuse(batch, e, out)
+            return
+        for slot, req, pages, tokens, origin in batch:
+            self._admissions += 1
+            self.slots[slot] = _Live(req, pages, tuple(req.sampling.stop), order=self._admissions,
+                                     tokens=tokens, origin=origin, pinned=self._pinned(req))
+            self._generated[slot] = 1  # the first token, sampled at admission
+
+    def _refuse(self, batch: list, e: Exception, out: list) -> None:
+        """Free what failed admissions hold; each request gets an error result."""
+        for slot, req, pages, _, origin in batch:
+            self.alloc.release(pages)
+            out.append(self._error(origin.req if origin else req,
+                                   f"could not admit: {type(e).__name__}: {e}"))
+        self.state = self.progs.release(self.state, self._mask([b[0] for b in batch]))
 
     def _mask(self, slots) -> np.ndarray:
         m = np.zeros((self.config.max_batch,), bool)

@@ -41,8 +41,8 @@ from .checkpoint import CheckpointError, load
 from .compile_cache import add_compile_cache_option
 from .config import (ConfigError, EngineConfig, SamplingParams, SpecConfig,
                      parse_num_speculative_tokens)
-from .generate import (Fatal, LineError, add_quantize_option, apply_draft_vocab,
-                       build_request, default_model_dir, read_lines)
+from .generate import (Fatal, LineError, add_prefill_batch_option, add_quantize_option,
+                       apply_draft_vocab, build_request, default_model_dir, read_lines)
 from .quant import mode_of
 
 DRAFT_METHODS = ("chain", "window", "per_step", "eagle")
@@ -364,6 +364,7 @@ def parse_args(argv):
                         "comma-separated list of them to compare (e.g. auto,1,2,3)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-batch", type=int, default=16)
+    add_prefill_batch_option(p)
     p.add_argument("--dtype", choices=("bfloat16", "float32"),
                    help="parameter / compute dtype (default: float32 on CPU, else the "
                         "checkpoint's)")
@@ -405,6 +406,7 @@ def parse_args(argv):
         args.defaults = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                                        top_k=args.top_k, seed=args.seed,
                                        max_tokens=args.max_tokens)
+        EngineConfig(prefill_batch=args.prefill_batch)
     except ConfigError as e:
         p.error(str(e))
     return args
@@ -494,7 +496,7 @@ def evaluate(args, log) -> dict:
     requests = [Request(i, p, sp) for i, (p, sp) in enumerate(prompts)]
     eng_cfg = EngineConfig(max_batch=args.max_batch, max_model_len=max_len,
                            prefill_chunk=min(256, max(16, 1 << (max_len - 1).bit_length())),
-                           kv_dtype=args.kv_dtype)
+                           kv_dtype=args.kv_dtype, prefill_batch=args.prefill_batch)
     greedy = all(sp.temperature == 0 for _, sp in prompts)
     report["methods"] = run_methods(model, requests, ids, args.methods, args.ks, eng_cfg,
                                     greedy, log, args.repeat)

@@ -199,6 +199,7 @@ def parse_args(argv):
     p.add_argument("--stop", nargs="+", action="extend", default=[], metavar="STR",
                    help="stop strings for every line (added to a line's own)")
     p.add_argument("--max-batch", type=int, default=8)
+    add_prefill_batch_option(p)
     p.add_argument("--max-model-len", type=int,
                    help="default: min(2048, the model's max_position_embeddings)")
     p.add_argument("--resume", action="store_true", help="skip ids already in --output")
@@ -277,6 +278,12 @@ def add_quantize_option(p) -> None:
                         "the model's dtype")
 
 
+def add_prefill_batch_option(p) -> None:
+    p.add_argument("--prefill-batch", type=int, metavar="R",
+                   help="requests prefilled together, a row each of one forward (a power of "
+                        "two; default 8 on GPU / TPU, 1 on CPU)")
+
+
 def load_model(model_dir: Path, mesh=None, quantize=None):
     """The model in `model_dir` (streamed onto `mesh` if given, quantized if asked), or
     Fatal saying why not (raised before anything compiles)."""
@@ -328,7 +335,9 @@ def make_engine(args):
                                         EngineConfig(max_batch=args.max_batch,
                                                      max_model_len=max_len,
                                                      prefill_chunk=chunk,
-                                                     kv_dtype=args.kv_dtype), mesh=mesh)
+                                                     kv_dtype=args.kv_dtype,
+                                                     prefill_batch=args.prefill_batch),
+                                        mesh=mesh)
     except (ConfigError, ValueError) as e:
         raise Fatal(str(e)) from None
 

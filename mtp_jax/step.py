@@ -12,10 +12,11 @@ The speculative step (fixed shapes, no host sync, no Python branch on data):
 Rollback is free: writes are position-indexed and attention is masked by length, so only
 the committed length moves. `run_steps` runs up to N steps in one `lax.while_loop`.
 
-Prefill (one request at a time, batch 1, chunk lengths bucketed to powers of two):
-`prefill_target` per chunk (writes target KV, returns the chunk's MTP hiddens),
-`prefill_mtp` per chunk of the history region (positions < a - K, a = prompt_len - 1),
-then `prefill_finish` samples the first token and runs the regular draft window.
+Prefill (a batch of up to `EngineConfig.prefill_batch` requests in one forward, a row
+each, rows and chunk lengths bucketed to powers of two): `prefill_target` per chunk
+(writes target KV, keeps the chunk's MTP hiddens in the row's scratch), `prefill_mtp` per
+chunk of the history region (positions < a - K, a = prompt_len - 1), then
+`prefill_finish` samples each row's first token and runs its regular draft window.
 All programs take the state donated and are built by `programs(...)` for one static
 configuration, so nothing recompiles once each prefill bucket has been seen.
 """
@@ -81,10 +82,11 @@ class DecodeState:
     accepted: jax.Array  # [B, K] int32  steps whose draft at depth d was accepted
     drafted: jax.Array  # [B, K] int32  steps that verified a draft at depth d
     out_tokens: jax.Array  # [B, T] int32  generated tokens
-    # prefill scratch for the request being admitted (index O + p for position p, O = K+1;
-    # rows below O are never written, so window rows before position 0 read zeros)
-    prefill_tokens: jax.Array  # [S] int32  prompt tokens t_i at O + i
-    prefill_hidden: jax.Array  # [S, D]  target MTP hiddens H_p at O + p
+    # prefill scratch, a row per request of the prefill batch being admitted (index O + p
+    # for position p, O = K+1; entries below O are never written, so window rows before
+    # position 0 read zeros)
+    prefill_tokens: jax.Array  # [R, S] int32  prompt tokens t_i at O + i
+    prefill_hidden: jax.Array  # [R, S, D]  target MTP hiddens H_p at O + p
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +119,11 @@ class Static:
         return self.spec.k + 1
 
     @property
+    def prefill_rows(self) -> int:
+        """Requests one prefill forward carries (the scratch's rows)."""
+        return self.eng.prefill_batch or 1
+
+    @property
     def scratch_len(self) -> int:
         return self.offset + self.eng.max_model_len + self.eng.prefill_chunk + self.spec.k + 1
 
@@ -137,8 +144,8 @@ def init_state(st: Static, hidden_dtype) -> DecodeState:
         caches=init_caches(st.layout),
         block_tables=tuple(zi(b, st.layout.width) for _ in st.layout.groups),
         steps=zi(b), accepted=zi(b, k), drafted=zi(b, k), out_tokens=zi(b, eng.max_model_len),
-        prefill_tokens=zi(st.scratch_len), prefill_hidden=jnp.zeros((st.scratch_len, d),
-                                                                      hidden_dtype))
+        prefill_tokens=zi(st.prefill_rows, st.scratch_len),
+        prefill_hidden=jnp.zeros((st.prefill_rows, st.scratch_len, d), hidden_dtype))
 
 
 def _where(mask, new, old):
@@ -264,11 +271,13 @@ def run_steps(model, s: Static, st: DecodeState, num_steps, kr: Optional[int] = 
 
 
 # ------------------------------------------------------------------------------- admit
-def admit(s: Static, st: DecodeState, slot, prompt, limit, max_tokens, stop_ids, temperature,
-          top_k, top_p, seed, relaxed, think, table_rows, zero_pages) -> DecodeState:
+def admit(s: Static, st: DecodeState, slot, row, prompt, limit, max_tokens, stop_ids,
+          temperature, top_k, top_p, seed, relaxed, think, table_rows, zero_pages
+          ) -> DecodeState:
     """Put a request into `slot` (its block-table rows [groups, width] already reserved).
 
-    prompt [S] int32: the prompt placed at scratch offset O. think: the prompt leaves the
+    prompt [S] int32: the prompt placed at scratch offset O, in scratch row `row` (its
+    place in the prefill batch). think: the prompt leaves the
     request inside a thinking phase (relaxed acceptance). zero_pages [n] int32: pages
     whose per_step MTP-module KV (modules after the first) must read as zeros, padded
     with the null page 0.
@@ -286,7 +295,8 @@ def admit(s: Static, st: DecodeState, slot, prompt, limit, max_tokens, stop_ids,
         relaxed=put(st.relaxed, relaxed), think=put(st.think, think),
         steps=put(st.steps, 0), accepted=put(st.accepted, 0), drafted=put(st.drafted, 0),
         block_tables=tuple(put(bt, table_rows[g]) for g, bt in enumerate(st.block_tables)),
-        caches=_zero_per_step_pages(s, st.caches, zero_pages), prefill_tokens=prompt)
+        caches=_zero_per_step_pages(s, st.caches, zero_pages),
+        prefill_tokens=st.prefill_tokens.at[row].set(prompt))
 
 
 def _zero_per_step_pages(s: Static, caches, pages) -> tuple:
@@ -315,81 +325,92 @@ def release(st: DecodeState, mask) -> DecodeState:
 
 
 # ----------------------------------------------------------------------------- prefill
-def _slot_kv(s: Static, st: DecodeState, slot, limit):
-    tables = tuple(jax.lax.dynamic_slice_in_dim(bt, slot, 1, 0) for bt in st.block_tables)
-    limit = jnp.minimum(st.limit[slot], limit)[None]
+def _rows_kv(s: Static, st: DecodeState, slots, limit):
+    """PagedKV over the slots [r] of a prefill batch, writes below `limit` [r] (and the
+    slot's own limit). A slot index of max_batch marks a padding row: every write dropped."""
+    real = slots < s.eng.max_batch
+    tables = tuple(bt.at[slots].get(mode="clip") for bt in st.block_tables)
+    limit = jnp.where(real, jnp.minimum(st.limit.at[slots].get(mode="clip"), limit), 0)
     return PagedKV(s.layout, st.caches, tables, limit, backend=s.eng.attention_backend,
                    mesh=s.mesh, batch_sharded=False)
 
 
-def prefill_target(model, s: Static, st: DecodeState, slot, start, valid, chunk: int):
-    """Target over prompt positions start..start+chunk-1 (the first `valid` are real).
+def _scratch_rows(scratch, start, size: int):
+    """Per row r of a prefill batch, scratch[r, start[r]: start[r] + size]."""
+    rows = scratch[: start.shape[0]]
+    return jax.vmap(lambda x, a: jax.lax.dynamic_slice_in_dim(x, a, size, 0))(rows, start)
 
-    Writes the target KV and the MTP hiddens into the scratch; returns (state, logits of
-    the last valid row [V])."""
+
+def prefill_target(model, s: Static, st: DecodeState, slots, start, valid, logits, chunk: int):
+    """Target over prompt positions start[r]..start[r]+chunk-1 of each row r of a prefill
+    batch (slots [r], scratch rows 0..r-1; the first valid[r] positions are real, a row
+    with valid 0 writes nothing).
+
+    Writes the target KV and the MTP hiddens into the scratch; returns (state, logits
+    [r, V]: a row's last valid position, or `logits`' row where valid is 0)."""
     o = s.offset
-    tokens = jax.lax.dynamic_slice_in_dim(st.prefill_tokens, o + start, chunk)[None]
-    pos = (start + jnp.arange(chunk))[None]
-    kv = _slot_kv(s, st, slot, start + valid)
-    normed, pre = model.target(tokens, pos, kv.attend(pos, (start + chunk)[None]))
-    logits = model.target.head(jax.lax.dynamic_index_in_dim(normed[0], valid - 1, 0, False))
-    hid = model.target.mtp_hidden(normed, pre)[0].astype(st.prefill_hidden.dtype)
-    scratch = jax.lax.dynamic_update_slice_in_dim(st.prefill_hidden, hid, o + start, 0)
+    r = slots.shape[0]
+    tokens = _scratch_rows(st.prefill_tokens, o + start, chunk)
+    pos = start[:, None] + jnp.arange(chunk)
+    kv = _rows_kv(s, st, slots, start + valid)
+    normed, pre = model.target(tokens, pos, kv.attend(pos, start + chunk))
+    last = jnp.take_along_axis(normed, jnp.maximum(valid - 1, 0)[:, None, None], axis=1)
+    logits = jnp.where((valid > 0)[:, None], model.target.head(last[:, 0]), logits)
+    hid = model.target.mtp_hidden(normed, pre).astype(st.prefill_hidden.dtype)
+    real = jnp.arange(chunk)[None] < valid[:, None]  # [r, chunk]
+    at = jnp.where(real, o + pos, st.prefill_hidden.shape[1])  # past the end: dropped
+    scratch = st.prefill_hidden.at[jnp.arange(r)[:, None], at].set(hid, mode="drop")
     # A non-finite hidden anywhere in the prompt ends the request (its K/V are written
     # as zeros, so the last row's logits alone would not show it).
-    real = (jnp.arange(chunk) < valid)[:, None]
-    bad = jnp.any(real & ~jnp.isfinite(pre[0].astype(jnp.float32)))
-    finish = st.finish.at[slot].set(jnp.where(bad, FINISH_ERROR, st.finish[slot]))
+    bad = jnp.any(real[..., None] & ~jnp.isfinite(pre.astype(jnp.float32)), axis=(1, 2))
+    was = st.finish.at[slots].get(mode="clip")
+    finish = st.finish.at[slots].set(jnp.where(bad, FINISH_ERROR, was), mode="drop")
     return st.replace(caches=tuple(kv.caches), prefill_hidden=scratch, finish=finish), logits
 
 
-def prefill_mtp(model, s: Static, st: DecodeState, slot, start, history_end, chunk: int):
-    """MTP caches over prompt positions start..start+chunk-1; writes at >= history_end
-    (the first position of the final draft window) are dropped."""
+def prefill_mtp(model, s: Static, st: DecodeState, slots, start, history_end, chunk: int):
+    """MTP caches over prompt positions start[r]..start[r]+chunk-1 of each row; writes at
+    >= history_end[r] (the first position of the row's final draft window) are dropped."""
     o, k = s.offset, s.k
-    tokens_ext = jax.lax.dynamic_slice_in_dim(st.prefill_tokens, o + start + 1, chunk + k)
-    hidden_ext = jax.lax.dynamic_slice_in_dim(st.prefill_hidden, o + start, chunk + k)
-    pos = (start + jnp.arange(chunk))[None]
-    kv = _slot_kv(s, st, slot, history_end)
-    mtp_prefill(model, s.spec.method, k, kv, tokens_ext[None], hidden_ext[None], pos,
-                (start + chunk)[None])
+    tokens_ext = _scratch_rows(st.prefill_tokens, o + start + 1, chunk + k)
+    hidden_ext = _scratch_rows(st.prefill_hidden, o + start, chunk + k)
+    pos = start[:, None] + jnp.arange(chunk)
+    kv = _rows_kv(s, st, slots, history_end)
+    mtp_prefill(model, s.spec.method, k, kv, tokens_ext, hidden_ext, pos, start + chunk)
     return st.replace(caches=tuple(kv.caches))
 
 
-def prefill_finish(model, s: Static, st: DecodeState, slot, logits, prompt_len):
-    """Sample the first token; draft from the window of positions a-K..a (a = P - 1)."""
+def prefill_finish(model, s: Static, st: DecodeState, slots, logits, prompt_len):
+    """Per row of a prefill batch: sample the first token; draft from the window of
+    positions a-K..a (a = P - 1). Padding rows (slot max_batch) change nothing."""
     k, o = s.k, s.offset
-    sp = jax.tree_util.tree_map(lambda x: jax.lax.dynamic_index_in_dim(x, slot, 0, True),
-                                st.sampling)
-    keys = row_keys(sp.seed, prompt_len[None, None], SALT_TARGET)[:, 0]
-    first, _ = sample(logits[None], sp.temperature, sp.top_k, sp.top_p, keys)
-    first = first[0]
-    bad = ~jnp.all(jnp.isfinite(logits)) | (st.finish[slot] == FINISH_ERROR)
+    at = lambda x: x.at[slots].get(mode="clip")  # noqa: E731
+    put = lambda x, v: x.at[slots].set(v, mode="drop")  # noqa: E731
+    sp = jax.tree_util.tree_map(at, st.sampling)
+    keys = row_keys(sp.seed, prompt_len[:, None], SALT_TARGET)[:, 0]
+    first, _ = sample(logits, sp.temperature, sp.top_k, sp.top_p, keys)
+    bad = ~jnp.all(jnp.isfinite(logits), axis=-1) | (at(st.finish) == FINISH_ERROR)
     length = prompt_len + 1
-    stop = jnp.any(st.stop_ids[slot] == first)
-    at_len = (st.max_tokens[slot] <= 1) | (length >= s.eng.max_model_len)
+    stop = jnp.any(at(st.stop_ids) == first[:, None], axis=-1)
+    at_len = (at(st.max_tokens) <= 1) | (length >= s.eng.max_model_len)
     finish = jnp.where(bad, FINISH_ERROR, jnp.where(stop, FINISH_STOP, jnp.where(
         at_len, FINISH_LENGTH, FINISH_NONE)))
-    upd = dict(length=st.length.at[slot].set(length),
-               last_token=st.last_token.at[slot].set(first),
-               num_generated=st.num_generated.at[slot].set(jnp.where(bad, 0, 1)),
-               finish=st.finish.at[slot].set(finish),
-               out_tokens=st.out_tokens.at[slot, 0].set(first))
+    upd = dict(length=put(st.length, length), last_token=put(st.last_token, first),
+               num_generated=put(st.num_generated, jnp.where(bad, 0, 1)),
+               finish=put(st.finish, finish),
+               out_tokens=st.out_tokens.at[slots, 0].set(first, mode="drop"))
     if k:
         a = prompt_len - 1
-        win_t = jax.lax.dynamic_slice_in_dim(st.prefill_tokens, o + a - k + 1, k + 1)
-        win_t = win_t.at[k].set(first)[None]
-        win_h = jax.lax.dynamic_slice_in_dim(st.prefill_hidden, o + a - k, k + 1)[None]
-        win_pos = (a - k + jnp.arange(k + 1))[None]
-        kv = _slot_kv(s, st, slot, st.limit[slot])
+        win_t = _scratch_rows(st.prefill_tokens, o + a - k + 1, k + 1).at[:, k].set(first)
+        win_h = _scratch_rows(st.prefill_hidden, o + a - k, k + 1)
+        win_pos = a[:, None] - k + jnp.arange(k + 1)
+        kv = _rows_kv(s, st, slots, at(st.limit))
         drafts, logp = draft(model, s.spec.method, k, kv, win_t, win_h, win_pos, sp,
                              coupled=s.coupled)
         if not s.coupled:
-            upd["draft_logp"] = st.draft_logp.at[slot].set(logp[0])
-        upd.update(drafts=st.drafts.at[slot].set(drafts[0]),
-                   hist_tokens=st.hist_tokens.at[slot].set(win_t[0, 1:]),
-                   hist_hidden=st.hist_hidden.at[slot].set(win_h[0, 1:]),
-                   caches=tuple(kv.caches))
+            upd["draft_logp"] = put(st.draft_logp, logp)
+        upd.update(drafts=put(st.drafts, drafts), hist_tokens=put(st.hist_tokens, win_t[:, 1:]),
+                   hist_hidden=put(st.hist_hidden, win_h[:, 1:]), caches=tuple(kv.caches))
     return st.replace(**upd)
 
 
@@ -441,7 +462,7 @@ class Programs:
 
     @functools.cached_property
     def admit(self):
-        return self._jit(functools.partial(admit, self.static), 13, with_params=False)
+        return self._jit(functools.partial(admit, self.static), 14, with_params=False)
 
     @functools.cached_property
     def release(self):
@@ -451,24 +472,28 @@ class Programs:
     def grow(self):
         return self._jit(functools.partial(grow, self.static), 4, with_params=False)
 
+    # The prefill programs take a batch of r requests (slots [r], per-row int32 arrays):
+    # one compile per chunk length and row count.
     @functools.cache
     def prefill_target(self, chunk: int):
-        """The target-prefill program for one chunk length (one compile per bucket)."""
-        def f(params, st, slot, start, valid):
-            return prefill_target(self._merge(params), self.static, st, slot, start, valid, chunk)
-        return self._jit(f, 3, logits=True)
+        """The target-prefill program for one chunk length."""
+        def f(params, st, slots, start, valid, logits):
+            return prefill_target(self._merge(params), self.static, st, slots, start, valid,
+                                  logits, chunk)
+        return self._jit(f, 4, logits=True)
 
     @functools.cache
     def prefill_mtp(self, chunk: int):
-        def f(params, st, slot, start, history_end):
-            return prefill_mtp(self._merge(params), self.static, st, slot, start, history_end,
+        def f(params, st, slots, start, history_end):
+            return prefill_mtp(self._merge(params), self.static, st, slots, start, history_end,
                                chunk)
         return self._jit(f, 3)
 
     @functools.cached_property
     def prefill_finish(self):
-        def f(params, st, slot, logits, prompt_len):
-            return prefill_finish(self._merge(params), self.static, st, slot, logits, prompt_len)
+        def f(params, st, slots, logits, prompt_len):
+            return prefill_finish(self._merge(params), self.static, st, slots, logits,
+                                  prompt_len)
         return self._jit(f, 3)
 
 

@@ -335,6 +335,10 @@ def test_engine_config_validation():
         EngineConfig(prefill_chunk=12)
     with pytest.raises(ConfigError, match="steps_per_dispatch"):
         EngineConfig(steps_per_dispatch=0)
+    assert EngineConfig(prefill_batch=4).prefill_batch == 4
+    for bad in (0, 3, -2, True, 2.0):
+        with pytest.raises(ConfigError, match="prefill_batch must be a power of two"):
+            EngineConfig(prefill_batch=bad)
     with pytest.raises(ConfigError, match="max_batch"):
         EngineConfig(max_batch=0)
 

@@ -42,8 +42,10 @@ from cli_fixtures import CORPUS, VOCAB, make_checkpoint, make_orbax
 REPO = Path(__file__).resolve().parent.parent
 CHEAP_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 METHODS = ("chain", "none")
+# prefill_batch 4: requests admitted together share prefill forwards (padding rows too), so
+# every mixed-batch test below also checks that rows do not leak into each other
 POOL = EngineConfig(max_batch=4, max_model_len=64, page_size=8, num_pages=7,
-                    prefill_chunk=16, steps_per_dispatch=4)
+                    prefill_chunk=16, steps_per_dispatch=4, prefill_batch=4)
 _rng = np.random.default_rng(11)
 # Around the page (8) and prefill-chunk (16) boundaries.
 PROMPTS = [_rng.integers(0, VOCAB, n).tolist() for n in (1, 3, 8, 9, 16, 17)]
@@ -303,20 +305,46 @@ def test_int32_overflowing_sampling_values_are_refused(engine, kw):
         SamplingParams(max_tokens=4, **kw)
 
 
-def test_a_failing_admission_gives_an_error_result_and_leaks_nothing(engine, monkeypatch):
+def test_a_failing_admission_gives_an_error_result_and_leaks_nothing(engine, alone,
+                                                                     monkeypatch):
+    want = alone("none", PROMPTS[2], SAMPLINGS[0])
     eng = engine("none")
-    real = eng._admit
+    real = eng._admit_slot
 
-    def admit(slot, req, pages):
+    def admit(slot, req, pages, limit=None, row=0):
         if req.id == 0:
             raise RuntimeError("injected")
-        return real(slot, req, pages)
+        return real(slot, req, pages, limit, row)
 
-    monkeypatch.setattr(eng, "_admit", admit)
+    monkeypatch.setattr(eng, "_admit_slot", admit)
     results = eng.generate([Request(0, PROMPTS[1], SAMPLINGS[0]),
                             Request(1, PROMPTS[2], SAMPLINGS[0])])
     assert results[0].finish_reason == "error" and "injected" in results[0].error
-    assert results[1].finish_reason == "length"
+    assert_result_matches(results[1], want)
+    assert len(eng.alloc.free[0]) == POOL.num_pages and not eng.queue
+
+
+def test_a_failing_prefill_batch_errors_its_rows_and_leaks_nothing(engine, alone,
+                                                                   monkeypatch):
+    """The first prefill batch (requests 0-3) fails: each of them gets an error result,
+    their slots and pages are free again, and the next batch (4, 5) runs as alone."""
+    want = [alone("none", p, SAMPLINGS[0]) for p in PROMPTS[4:]]
+    eng = engine("none")
+    real, calls = eng._prefill, []
+
+    def prefill(slots, prompt_len):
+        calls.append(len(slots))
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return real(slots, prompt_len)
+
+    monkeypatch.setattr(eng, "_prefill", prefill)
+    results = eng.generate([Request(i, p, SAMPLINGS[0]) for i, p in enumerate(PROMPTS)])
+    assert calls[:2] == [4, 2]
+    assert all(r.finish_reason == "error" and "injected" in r.error and not r.token_ids
+               for r in results[:4])
+    for got, exp in zip(results[4:], want):
+        assert_result_matches(got, exp)
     assert len(eng.alloc.free[0]) == POOL.num_pages and not eng.queue
 
 
@@ -1083,8 +1111,9 @@ def test_tiny_top_p_keeps_the_top_token(engine, alone):
 
 def test_nothing_recompiled(engines):
     """All of the above, hostile and broken inputs included, ran on the programs compiled
-    by warmup(): one executable per program and prefill bucket."""
+    by warmup(): one executable per program, prefill bucket and prefill row count."""
     for method, eng in engines.items():
         sizes = eng.cache_sizes()
         assert sizes["run_steps"] == 1 and sizes["admit"] == 1, (method, sizes)
-        assert sizes["prefill_target"] == len(eng.buckets()), (method, sizes)
+        assert eng.prefill_programs() == [(1, 16), (2, 16), (4, 16)]
+        assert sizes["prefill_target"] == 3 and sizes["prefill_finish"] == 3, (method, sizes)

@@ -34,6 +34,7 @@ _engines: dict = {}
 
 
 def engine_for(model, layout, method, k, **kw) -> Engine:
+    kw = {n: v for n, v in kw.items() if v is not None}  # None: the default
     key = (layout, method, k, tuple(sorted(kw.items())))
     if key not in _engines:
         cfg = ENGINE if not kw else EngineConfig(**{**ENGINE.__dict__, **kw})
@@ -94,6 +95,45 @@ def test_greedy_lossless(models, prompts, references, layout, method, k):
     assert results[-1].finish_reason == "length"
     assert len(prompts[-1]) + len(results[-1].token_ids) == MAX_LEN
     assert accepted > 0  # the partial-acceptance model exercises real rollbacks
+
+
+@pytest.mark.parametrize("method,k", [("chain", 3), ("window", 2), ("per_step", 3)])
+def test_batched_prefill_lossless(models, prompts, references, method, k):
+    """Requests admitted together are prefilled as rows of one forward (rows padded to a
+    power of two, prompts of 3..80 tokens, so rows run out of chunks at different times):
+    the same tokens, steps and acceptance as one request per prefill, no recompile."""
+    model = models["deepseek_v3"]
+    one = engine_for(model, "deepseek_v3", method, k)
+    eng = engine_for(model, "deepseek_v3", method, k, max_batch=6, prefill_batch=4)
+    eng.warmup()
+    assert eng.row_buckets() == [1, 2, 4]
+    before = eng.cache_sizes()
+    reqs = [Request(i, p, SamplingParams(max_tokens=b)) for i, (p, b) in
+            enumerate(zip(prompts, BUDGETS))]
+    got, want = eng.generate(reqs), one.generate(reqs)
+    for req, g, w, (ref, reason) in zip(reqs, got, want, references["deepseek_v3"]):
+        assert g.token_ids == ref, near_tie_report(model, req.prompt_ids, g.token_ids, ref)
+        assert (g.finish_reason, g.num_steps, g.accepted_per_depth) == (
+            reason, w.num_steps, w.accepted_per_depth)
+    assert eng.cache_sizes() == before
+
+
+def test_prefill_programs_skip_chunks_bound_by_weight_reads(models):
+    """A forward of r rows runs chunks of at least 256 / r tokens (shorter ones would cost
+    as much): 14 prefill programs for 8 rows and chunks 16..256, not 20. Nothing compiles
+    here."""
+    eng = Engine(models["mimo"], SpecConfig("chain", num_speculative_tokens=1), EngineConfig(
+        max_batch=8, max_model_len=512, prefill_chunk=256, prefill_batch=8))
+    assert eng.row_buckets() == [1, 2, 4, 8]
+    assert eng.prefill_programs() == (
+        [(1, c) for c in (16, 32, 64, 128, 256)] + [(2, 128), (2, 256)]
+        + [(4, c) for c in (64, 128, 256)] + [(8, c) for c in (32, 64, 128, 256)])
+    assert (eng._chunk(1, 5), eng._chunk(8, 5), eng._chunk(2, 300), eng._chunk(4, 100)) == (
+        16, 32, 256, 128)
+    small = Engine(models["mimo"], SpecConfig("chain", num_speculative_tokens=1),
+                   EngineConfig(max_batch=3, max_model_len=64, prefill_chunk=256))
+    assert small.config.prefill_batch in (1, 4)  # 1 on CPU; never more rows than slots
+    assert small.buckets() == [16, 32, 64]
 
 
 @pytest.mark.parametrize("method", ["chain", "window", "eagle", "per_step"])
@@ -227,10 +267,12 @@ def test_speculative_sampling_preserves_distribution(sp):
         r.num_steps * 2 for r in results)
 
 
-def test_seed_independent_of_batch_and_slot():
+@pytest.mark.parametrize("prefill_batch", [None, 8])
+def test_seed_independent_of_batch_and_slot(prefill_batch):
+    """Also whether the request shares its prefill forward with others (prefill_batch 8)."""
     model = markov_model("deepseek_v3", vocab=SAMPLE_V, target_noise=0.5, mtp_noise=0.4,
                          scale=3.0, seed=4)
-    eng = engine_for(model, "sample", "chain", 2, max_batch=16)
+    eng = engine_for(model, "sample", "chain", 2, max_batch=16, prefill_batch=prefill_batch)
     prompt = [1, 5, 2, 7, 3, 3, 9]
     sp = SamplingParams(temperature=1.0, seed=1234, max_tokens=24)
     alone = eng.generate([Request("x", prompt, sp)])[0]
