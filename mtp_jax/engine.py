@@ -361,7 +361,7 @@ class Engine:
         """Prefill a batch of admitted requests together, a row each (slots [r], padding
         rows max_batch with prompt length 0): the target's chunks, the MTP history's, then
         each row's first token and drafts. Chunk lengths follow the longest remainder."""
-        s, eng, p = self.static, self.config, self.model.params
+        s, p = self.static, self.model.params
         st = self.state
         logits = jnp.zeros((len(slots), self.model.config.vocab_size), jnp.float32)
 

@@ -72,7 +72,8 @@ with tempfile.TemporaryDirectory() as folder:
         gu = flat[("target", "layers", MOE_LAYER, "mlp", "experts_gate_up")]
         eng = Engine(loaded, SpecConfig(method=method, num_speculative_tokens=max(k, 1)),
                      EngineConfig(max_batch=4, max_model_len=80, page_size=8,
-                                  prefill_chunk=16, steps_per_dispatch=5), mesh=mesh)
+                                  prefill_chunk=16, steps_per_dispatch=5,
+                                  prefill_batch=4), mesh=mesh)  # the prompts in one batch
         res = eng.generate([Request(i, p, SamplingParams(max_tokens=b))
                             for i, (p, b) in enumerate(zip(prompts, budgets))])
         out["meshes"][spec] = dict(

@@ -29,8 +29,9 @@ prompts = [rng.integers(0, 64, size=n).tolist() for n in (3, 9, 17, 30)]
 budgets = (20, 12, 25, 16)
 want = [generate_reference(model, p, SamplingParams(max_tokens=b), max_len=96)[0]
         for p, b in zip(prompts, budgets)]
+# prefill_batch 4 (the accelerators' default is 8): the 4 prompts share prefill forwards
 cfg = EngineConfig(max_batch=4, max_model_len=96, page_size=8, prefill_chunk=16,
-                   steps_per_dispatch=6)
+                   steps_per_dispatch=6, prefill_batch=4)
 out = {"methods": {}}
 meshes = {"none": "tp=2,dp=4", "chain": "tp=2,dp=2", "window": "tp=2,dp=1",
           "eagle": "tp=2,dp=4", "per_step": "dp=2,tp=2"}
