@@ -2,7 +2,8 @@
 
   PYTHONPATH=. python launch/bench_batch_job.py [--requests 96] [--prompt-len 1024]
       [--new-tokens 256] [--max-batch 32] [--methods none,chain] [--k 3] [--shape mimo-7b]
-      [--prefill-chunk 256] [--prefill-batch 1,8] [--reps 2] [--tiny]
+      [--prefill-chunk 256] [--prefill-batch 1,8] [--max-tokens 4096] [--kv-pages N]
+      [--pages on-demand,reserve] [--reps 2] [--tiny]
 
 The 7-8B shape of launch/bench_decode.py with its oracle weights (every draft agrees),
 `requests` random prompts of `prompt-len` tokens and `new-tokens` new tokens each, one
@@ -20,13 +21,21 @@ warmed up first, compile reported apart; the job run through `Engine.generate`, 
   head_dim x L^2 / 2 per prompt), against the bf16 dense peak of the card when known;
 - slot idle share: 1 - (sum over dispatches of running slots x dispatch seconds) /
   (max_batch x wall): the slot-time spent waiting on admissions, on the job's ragged end,
-  and on the host.
+  and on the host;
+- requests in flight at most, and preemptions.
+`--max-tokens M` (> new-tokens) gives every request a budget of M tokens and a stop id
+that ends it after about `new-tokens` (the oracle's token `new-tokens` steps after its
+prompt, so it stops there unless that token comes up earlier). With `--kv-pages N` (a pool
+smaller than every slot's max_model_len), `--pages on-demand,reserve` compares the
+engine's pages on demand with the rule of reserving prompt + max_tokens + K at admission.
 With $OUT set, writes bench_batch_job.json there.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import itertools
 import json
 import os
 import sys
@@ -39,7 +48,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import SHAPES, TINY, oracle_model  # noqa: E402
+from bench_decode import SHAPES, TINY, oracle_model, oracle_perm  # noqa: E402
 
 from mtp_jax.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig  # noqa: E402
 from mtp_jax.engine import Engine, Request  # noqa: E402
@@ -107,17 +116,43 @@ def prefill_flops(cfg: ModelConfig, prompt_len: int, mtp: bool) -> float:
     return 2 * matmul_params(cfg, mtp) * prompt_len + attn
 
 
-def run_job(model, method, k, rows, args, prompts):
+class ReservingEngine(TimedEngine):
+    """Admission reserves every position a request may write (prompt + max_tokens + K),
+    the rule before pages on demand: nothing grows, nothing is preempted."""
+
+    def _admit_tokens(self, req):
+        return self._reserve_tokens(req)
+
+
+def requests(cfg: ModelConfig, args, prompts) -> list:
+    """The job's requests; with --max-tokens, each stops on the oracle's token new-tokens
+    steps after its prompt's last one."""
+    if args.max_tokens is None:
+        return [Request(i, p, SamplingParams(max_tokens=args.new_tokens))
+                for i, p in enumerate(prompts)]
+    perm = np.asarray(oracle_perm(cfg))
+    out = []
+    for i, p in enumerate(prompts):
+        t = p[-1]
+        for _ in range(args.new_tokens):
+            t = int(perm[t])
+        out.append(Request(i, p, SamplingParams(max_tokens=args.max_tokens,
+                                                stop_token_ids=(t,))))
+    return out
+
+
+def run_job(model, method, k, rows, rule, args, prompts):
     cfg = model.config
     eng_cfg = EngineConfig(max_batch=args.max_batch,
-                           max_model_len=args.prompt_len + args.new_tokens + 8,
+                           max_model_len=args.prompt_len + (args.max_tokens or args.new_tokens)
+                           + 8, num_pages=args.kv_pages,
                            prefill_chunk=args.prefill_chunk, prefill_batch=rows)
     t0 = time.perf_counter()
-    eng = TimedEngine(model, SpecConfig(method, num_speculative_tokens=k), eng_cfg)
+    kind = ReservingEngine if rule == "reserve" else TimedEngine
+    eng = kind(model, SpecConfig(method, num_speculative_tokens=k), eng_cfg)
     eng.warmup()
     compile_s = time.perf_counter() - t0
-    reqs = [Request(i, p, SamplingParams(max_tokens=args.new_tokens))
-            for i, p in enumerate(prompts)]
+    reqs = requests(cfg, args, prompts)
     best = None
     for _ in range(args.reps):
         eng.reset_control()
@@ -131,6 +166,9 @@ def run_job(model, method, k, rows, args, prompts):
             flops = len(prompts) * prefill_flops(cfg, args.prompt_len, method != "none")
             best = {
                 "method": method, "k": k, "prefill_batch": eng.config.prefill_batch,
+                "pages": rule, "preemptions": st.get("preemptions", 0),
+                "finish_reasons": sorted(collections.Counter(
+                    r.finish_reason for r in res).items()),
                 "compile_s": compile_s, "wall_s": wall,
                 "generated_tokens": gen, "tokens_per_s": gen / wall,
                 "admit_s": st.get("admit_seconds", 0.0),
@@ -157,11 +195,20 @@ def main(argv=None):
     ap.add_argument("--prefill-batch", default="auto",
                     help="comma list of requests prefilled together (ints or auto)")
     ap.add_argument("--methods", default="none,chain")
+    ap.add_argument("--max-tokens", type=int, help="budget per request, stopping near "
+                    "--new-tokens on a stop id (default: --new-tokens, no stop id)")
+    ap.add_argument("--kv-pages", type=int, help="KV pool pages (default: every slot's "
+                    "max_model_len)")
+    ap.add_argument("--pages", default="on-demand",
+                    help="comma list of page rules: on-demand (the engine), reserve")
     ap.add_argument("--k", default="3", help="K of the speculative methods (an int or auto)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="mimo-7b")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke run)")
     args = ap.parse_args(argv)
+    bad = set(args.pages.split(",")) - {"on-demand", "reserve"}
+    if bad:
+        ap.error(f"--pages: {sorted(bad)}; choose from on-demand, reserve")
     cfg = ModelConfig(**(TINY if args.tiny else SHAPES[args.shape]))
     dev = jax.devices()[0]
     peak = next((v for name, v in PEAK_BF16.items() if name in dev.device_kind), None)
@@ -172,34 +219,37 @@ def main(argv=None):
     k = args.k if args.k == "auto" else int(args.k)
     out = os.environ.get("OUT")
     runs, want = [], None
-    for rows in args.prefill_batch.split(","):
-        for m in args.methods.split(","):
-            r = run_job(model, m, 1 if m == "none" else k,
-                        None if rows == "auto" else int(rows), args, prompts)
-            if want is None:
-                want = r.pop("tokens")
-            else:
-                r["same_tokens_as_first"] = r.pop("tokens") == want
-            runs.append(r)
-            report(r, runs[0], peak)
-            if out:  # after every run: a later one may not finish in the time given
-                with open(os.path.join(out, "bench_batch_job.json"), "w") as f:
-                    json.dump({"device": dev.device_kind, "jax": jax.__version__,
-                               "args": vars(args), "peak_bf16_flop_per_s": peak,
-                               "runs": runs}, f, indent=1)
+    for rows, rule, m in itertools.product(args.prefill_batch.split(","),
+                                           args.pages.split(","), args.methods.split(",")):
+        r = run_job(model, m, 1 if m == "none" else k,
+                    None if rows == "auto" else int(rows), rule, args, prompts)
+        if want is None:
+            want = r.pop("tokens")
+        else:
+            r["same_tokens_as_first"] = r.pop("tokens") == want
+        runs.append(r)
+        report(r, runs[0], peak)
+        if out:  # after every run: a later one may not finish in the time given
+            with open(os.path.join(out, "bench_batch_job.json"), "w") as f:
+                json.dump({"device": dev.device_kind, "jax": jax.__version__,
+                           "args": vars(args), "peak_bf16_flop_per_s": peak,
+                           "runs": runs}, f, indent=1)
 
 
 def report(r: dict, first: dict, peak) -> None:
     r["vs_first"] = first["wall_s"] / r["wall_s"]
     r["prefill_pct_of_peak"] = (100 * r["prefill_flop_per_s"] / peak) if peak else None
-    print(f"{r['method']} K={r['k']} prefill batch {r['prefill_batch']}: wall "
+    print(f"{r['method']} K={r['k']} prefill batch {r['prefill_batch']}, pages "
+          f"{r['pages']}: wall "
           f"{r['wall_s']:.2f} s ({r['vs_first']:.2f}x the first), {r['tokens_per_s']:.0f} "
           f"generated tok/s; admission {r['admit_s']:.2f} s "
           f"({100 * r['admit_s'] / r['wall_s']:.0f} %), decode {r['decode_s']:.2f} s in "
           f"{r['dispatches']} dispatches; prefill {r['prefill_tokens_per_s']:.0f} tok/s, "
           f"{r['prefill_flop_per_s'] / 1e12:.0f} TFLOP/s"
           + (f" ({r['prefill_pct_of_peak']:.0f} % of peak)" if peak else "")
-          + f"; slot idle {100 * r['slot_idle_share']:.0f} %"
+          + f"; slot idle {100 * r['slot_idle_share']:.0f} %; in flight at most "
+          f"{r['max_running']}, {r['preemptions']} preemptions, finished "
+          f"{dict(r['finish_reasons'])}"
           + ("" if "same_tokens_as_first" not in r else
              f"; tokens {'==' if r['same_tokens_as_first'] else '!='} the first's")
           + f"; compile {r['compile_s']:.0f} s"

@@ -84,12 +84,18 @@ def log(*a):
     print(*a, flush=True)
 
 
+def oracle_perm(cfg: ModelConfig, seed=0) -> jax.Array:
+    """The permutation of oracle_model(cfg, seed): the token after t is perm[t]."""
+    return jax.random.permutation(jax.random.fold_in(jax.random.PRNGKey(seed), 1),
+                                  cfg.vocab_size)
+
+
 def oracle_model(cfg: ModelConfig, dtype, seed=0) -> Model:
     """Random weights whose greedy continuation is perm(current token), drafts agreeing."""
     graphdef, state = nnx.split(abstract_model(cfg, dtype))
     key = jax.random.PRNGKey(seed)
     v, d = cfg.vocab_size, cfg.hidden_size
-    perm = jax.random.permutation(jax.random.fold_in(key, 1), v)
+    perm = oracle_perm(cfg, seed)
     inv = jnp.argsort(perm)
 
     @jax.jit
