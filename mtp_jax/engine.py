@@ -27,7 +27,7 @@ import collections
 import dataclasses
 import functools
 import time
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -105,6 +105,16 @@ class _Live:
         return self.origin or _Resumed(self.req, [], 0, [0] * k, [0] * k)
 
 
+class _Admitted(NamedTuple):
+    """A request admitted into a slot whose prefill has not run yet."""
+
+    slot: int
+    req: Request
+    pages: list
+    tokens: int  # KV positions its pages cover
+    origin: Optional["_Resumed"]  # set for a request preempted before
+
+
 @dataclasses.dataclass
 class _Resumed:
     """What a preempted request had done before: its original request, the tokens it
@@ -130,12 +140,11 @@ class Engine:
         spec = spec.resolve(model.config)  # "auto" -> adaptive up to the module count
         compile_cache.enable()  # warm starts; $MTP_JAX_COMPILE_CACHE=off disables
         eng = dataclasses.replace(config or EngineConfig(), **overrides)
-        if eng.prefill_batch is None:  # rows help where matmuls need them to reach peak
-            eng = dataclasses.replace(eng, prefill_batch=1 if jax.default_backend() == "cpu"
-                                      else 8)
-        # never more rows than slots (rounded up to the power of two that runs them)
+        # None: rows where matmuls need them to reach peak; never more rows than slots
+        # (rounded up to the power of two that runs them)
+        rows = eng.prefill_batch or (1 if jax.default_backend() == "cpu" else 8)
         eng = dataclasses.replace(eng, prefill_batch=min(
-            eng.prefill_batch, 1 << (eng.max_batch - 1).bit_length()))
+            rows, 1 << (eng.max_batch - 1).bit_length()))
         scales = None
         if eng.kv_dtype == "fp8":
             if model.kv_scales is None:  # calibrated once per model, kept with it
@@ -395,7 +404,7 @@ class Engine:
     def _fill_slots(self, out: list) -> None:
         """Admit queued requests into free slots, in order, prefilling up to
         `prefill_batch` of them together."""
-        batch = []  # (slot, request, pages, tokens, origin), admitted, not yet prefilled
+        batch = []  # _Admitted
         for slot in range(self.config.max_batch):
             if self.slots[slot] is not None:
                 continue
@@ -409,9 +418,9 @@ class Engine:
         if batch:
             self._prefill_batch(batch, out)
 
-    def _take(self, slot: int, row: int, out: list) -> Optional[tuple]:
-        """Admit the head of the queue into `slot` (its prompt in scratch row `row`):
-        (slot, request, pages, tokens, origin), or None if nothing can be admitted now.
+    def _take(self, slot: int, row: int, out: list) -> Optional[_Admitted]:
+        """Admit the head of the queue into `slot` (its prompt in scratch row `row`), or
+        None if nothing can be admitted now.
         Requests that can never run get their error results in `out`."""
         while self.queue:
             req = self.queue[0]
@@ -425,15 +434,15 @@ class Engine:
             if pages is None:
                 return None
             self.queue.popleft()
-            origin = self._resumed.pop(id(req), None)
+            item = _Admitted(slot, req, pages, tokens, self._resumed.pop(id(req), None))
             try:
                 self._admit_slot(slot, req, pages, row=row)
             except Exception as e:  # never lose the batch or leak the reservation
-                self._refuse([(slot, req, pages, tokens, origin)], e, out)
+                self._refuse([item], e, out)
                 continue
             self._seen[slot] = 0
             self._generated[slot] = 0
-            return slot, req, pages, tokens, origin
+            return item
         return None
 
     def _prefill_batch(self, batch: list, out: list) -> None:
@@ -441,26 +450,27 @@ class Engine:
         r = 1 << (len(batch) - 1).bit_length()
         slots = np.full((r,), self.config.max_batch, np.int32)
         prompt_len = np.zeros((r,), np.int32)
-        for i, (slot, req, *_) in enumerate(batch):
-            slots[i], prompt_len[i] = slot, len(req.prompt_ids)
+        for i, a in enumerate(batch):
+            slots[i], prompt_len[i] = a.slot, len(a.req.prompt_ids)
         try:
             self._prefill(slots, prompt_len)
         except Exception as e:
             self._refuse(batch, e, out)
             return
-        for slot, req, pages, tokens, origin in batch:
+        for a in batch:
             self._admissions += 1
-            self.slots[slot] = _Live(req, pages, tuple(req.sampling.stop), order=self._admissions,
-                                     tokens=tokens, origin=origin, pinned=self._pinned(req))
-            self._generated[slot] = 1  # the first token, sampled at admission
+            self.slots[a.slot] = _Live(a.req, a.pages, tuple(a.req.sampling.stop),
+                                       order=self._admissions, tokens=a.tokens,
+                                       origin=a.origin, pinned=self._pinned(a.req))
+            self._generated[a.slot] = 1  # the first token, sampled at admission
 
     def _refuse(self, batch: list, e: Exception, out: list) -> None:
         """Free what failed admissions hold; each request gets an error result."""
-        for slot, req, pages, _, origin in batch:
-            self.alloc.release(pages)
-            out.append(self._error(origin.req if origin else req,
+        for a in batch:
+            self.alloc.release(a.pages)
+            out.append(self._error(a.origin.req if a.origin else a.req,
                                    f"could not admit: {type(e).__name__}: {e}"))
-        self.state = self.progs.release(self.state, self._mask([b[0] for b in batch]))
+        self.state = self.progs.release(self.state, self._mask([a.slot for a in batch]))
 
     def _mask(self, slots) -> np.ndarray:
         m = np.zeros((self.config.max_batch,), bool)
