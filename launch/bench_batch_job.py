@@ -1,9 +1,9 @@
 """A batch job end to end through the Engine: where the time goes (prefill vs decode).
 
   PYTHONPATH=. python launch/bench_batch_job.py [--requests 96] [--prompt-len 1024]
-      [--new-tokens 256] [--max-batch 32] [--methods none,chain] [--k 3] [--shape mimo-7b]
+      [--new-tokens 256] [--spread 0.75] [--max-batch 32] [--methods none,chain] [--k 3] [--shape mimo-7b]
       [--prefill-chunk 256] [--prefill-batch 1,8] [--max-tokens 4096] [--kv-pages N]
-      [--pages on-demand,reserve] [--reps 2] [--tiny]
+      [--pages on-demand,reserve] [--mixed on,off] [--job-programs] [--reps 2] [--tiny]
 
 The 7-8B shape of launch/bench_decode.py with its oracle weights (every draft agrees),
 `requests` random prompts of `prompt-len` tokens and `new-tokens` new tokens each, one
@@ -19,10 +19,16 @@ warmed up first, compile reported apart; the job run through `Engine.generate`, 
 - prefill tokens/s and its FLOP rate, 2 x (target matmul params + MTP matmul params for
   speculative methods) per prompt token plus causal attention (2 x 2 x layers x q-heads x
   head_dim x L^2 / 2 per prompt), against the bf16 dense peak of the card when known;
-- slot idle share: 1 - (sum over dispatches of running slots x dispatch seconds) /
-  (max_batch x wall): the slot-time spent waiting on admissions, on the job's ragged end,
-  and on the host;
+- slot idle share: 1 - (sum over dispatches, and over admission rounds whose prefill
+  chunks carried decode steps (mixed prefill), of running slots x seconds) / (max_batch x
+  wall): the slot-time spent waiting on admissions, on the job's ragged end, and on the
+  host;
+- with mixed prefill (`--mixed on,off`: `EngineConfig.mixed_prefill`), the decode steps
+  that rode in prefill chunks; admission seconds then include them;
 - requests in flight at most, and preemptions.
+`--spread S` draws each request's output length uniformly from new-tokens x [1 - S, 1 + S]
+(one fixed draw), so requests end at different times and slots free up one by one, as in
+a job of real prompts; without it every request of a wave ends together.
 `--max-tokens M` (> new-tokens) gives every request a budget of M tokens and a stop id
 that ends it after about `new-tokens` (the oracle's token `new-tokens` steps after its
 prompt, so it stops there unless that token comes up earlier). With `--kv-pages N` (a pool
@@ -59,14 +65,24 @@ PEAK_BF16 = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core FLOP/s (S
 class TimedEngine(Engine):
     """The engine, with admission rounds and decode dispatches timed apart."""
 
+    job_chunks = None  # set: warm up only the prefill chunk lengths in it
+
     def _fill_slots(self, out):
-        before = self._admissions
+        before, mixed = self._admissions, self.stats["mixed_steps"]
+        running = sum(x is not None for x in self.slots)
         t0 = time.perf_counter()
         super()._fill_slots(out)
         if self._admissions != before:
             jax.block_until_ready(self.state)
-            self.stats["admit_seconds"] += time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            self.stats["admit_seconds"] += seconds
             self.stats["admitted"] += self._admissions - before
+            if self.stats["mixed_steps"] != mixed:  # the running slots decoded meanwhile
+                self.stats["slot_seconds"] += running * seconds
+
+    def prefill_programs(self):
+        keep = self.job_chunks
+        return [(r, c) for r, c in super().prefill_programs() if keep is None or c in keep]
 
     def _collect(self):
         running = sum(x is not None for x in self.slots)
@@ -124,32 +140,55 @@ class ReservingEngine(TimedEngine):
         return self._reserve_tokens(req)
 
 
+def new_tokens(args) -> list:
+    """Tokens each request generates: new-tokens, or with --spread S uniform in
+    new-tokens x [1 - S, 1 + S] (a fixed draw), so that requests end at different times."""
+    u = np.random.default_rng(1).uniform(-1, 1, args.requests)
+    return [max(1, round(args.new_tokens * (1 + args.spread * x))) for x in u]
+
+
 def requests(cfg: ModelConfig, args, prompts) -> list:
     """The job's requests; with --max-tokens, each stops on the oracle's token new-tokens
     steps after its prompt's last one."""
     if args.max_tokens is None:
-        return [Request(i, p, SamplingParams(max_tokens=args.new_tokens))
-                for i, p in enumerate(prompts)]
+        return [Request(i, p, SamplingParams(max_tokens=n))
+                for i, (p, n) in enumerate(zip(prompts, new_tokens(args)))]
     perm = np.asarray(oracle_perm(cfg))
     out = []
-    for i, p in enumerate(prompts):
+    for i, (p, n) in enumerate(zip(prompts, new_tokens(args))):
         t = p[-1]
-        for _ in range(args.new_tokens):
+        for _ in range(n):
             t = int(perm[t])
         out.append(Request(i, p, SamplingParams(max_tokens=args.max_tokens,
                                                 stop_token_ids=(t,))))
     return out
 
 
-def run_job(model, method, k, rows, rule, args, prompts):
+def job_chunks(eng: Engine, prompt_len: int) -> set:
+    """The prefill chunk lengths a job of prompt_len-token prompts runs (target and MTP
+    history chunks, any row count)."""
+    out = set()
+    for r in eng.row_buckets():
+        for end in (prompt_len, prompt_len - 1 - eng.spec.k):
+            while end > 0:
+                c = eng._chunk(r, end)
+                out.add(c)
+                end -= c
+    return out
+
+
+def run_job(model, method, k, rows, rule, mixed, args, prompts):
     cfg = model.config
     eng_cfg = EngineConfig(max_batch=args.max_batch,
-                           max_model_len=args.prompt_len + (args.max_tokens or args.new_tokens)
-                           + 8, num_pages=args.kv_pages,
-                           prefill_chunk=args.prefill_chunk, prefill_batch=rows)
+                           max_model_len=args.prompt_len + (args.max_tokens or max(
+                               new_tokens(args))) + 8, num_pages=args.kv_pages,
+                           prefill_chunk=args.prefill_chunk, prefill_batch=rows,
+                           mixed_prefill=mixed)
     t0 = time.perf_counter()
     kind = ReservingEngine if rule == "reserve" else TimedEngine
     eng = kind(model, SpecConfig(method, num_speculative_tokens=k), eng_cfg)
+    if args.job_programs:
+        eng.job_chunks = job_chunks(eng, args.prompt_len)
     eng.warmup()
     compile_s = time.perf_counter() - t0
     reqs = requests(cfg, args, prompts)
@@ -166,6 +205,9 @@ def run_job(model, method, k, rows, rule, args, prompts):
             flops = len(prompts) * prefill_flops(cfg, args.prompt_len, method != "none")
             best = {
                 "method": method, "k": k, "prefill_batch": eng.config.prefill_batch,
+                "prefill_chunk": eng.config.prefill_chunk,
+                "mixed_prefill": eng.config.mixed_prefill,
+                "mixed_steps": st.get("mixed_steps", 0),
                 "pages": rule, "preemptions": st.get("preemptions", 0),
                 "finish_reasons": sorted(collections.Counter(
                     r.finish_reason for r in res).items()),
@@ -195,12 +237,19 @@ def main(argv=None):
     ap.add_argument("--prefill-batch", default="auto",
                     help="comma list of requests prefilled together (ints or auto)")
     ap.add_argument("--methods", default="none,chain")
+    ap.add_argument("--spread", type=float, default=0.0, help="new tokens per request "
+                    "uniform in new-tokens x [1 - spread, 1 + spread] (requests end apart)")
     ap.add_argument("--max-tokens", type=int, help="budget per request, stopping near "
                     "--new-tokens on a stop id (default: --new-tokens, no stop id)")
     ap.add_argument("--kv-pages", type=int, help="KV pool pages (default: every slot's "
                     "max_model_len)")
     ap.add_argument("--pages", default="on-demand",
                     help="comma list of page rules: on-demand (the engine), reserve")
+    ap.add_argument("--mixed", default="auto", help="comma list of on, off, auto: prefill "
+                    "chunks riding in decode steps (EngineConfig.mixed_prefill)")
+    ap.add_argument("--job-programs", action="store_true", help="warm up only the prefill "
+                    "chunk lengths the job's prompts use (shorter compiles; the engine's "
+                    "own warmup compiles every bucket)")
     ap.add_argument("--k", default="3", help="K of the speculative methods (an int or auto)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="mimo-7b")
     ap.add_argument("--reps", type=int, default=2)
@@ -209,6 +258,9 @@ def main(argv=None):
     bad = set(args.pages.split(",")) - {"on-demand", "reserve"}
     if bad:
         ap.error(f"--pages: {sorted(bad)}; choose from on-demand, reserve")
+    bad = set(args.mixed.split(",")) - {"on", "off", "auto"}
+    if bad:
+        ap.error(f"--mixed: {sorted(bad)}; choose from on, off, auto")
     cfg = ModelConfig(**(TINY if args.tiny else SHAPES[args.shape]))
     dev = jax.devices()[0]
     peak = next((v for name, v in PEAK_BF16.items() if name in dev.device_kind), None)
@@ -219,10 +271,12 @@ def main(argv=None):
     k = args.k if args.k == "auto" else int(args.k)
     out = os.environ.get("OUT")
     runs, want = [], None
-    for rows, rule, m in itertools.product(args.prefill_batch.split(","),
-                                           args.pages.split(","), args.methods.split(",")):
+    mix = {"on": True, "off": False, "auto": None}
+    for rows, rule, mixed, m in itertools.product(
+            args.prefill_batch.split(","), args.pages.split(","), args.mixed.split(","),
+            args.methods.split(",")):
         r = run_job(model, m, 1 if m == "none" else k,
-                    None if rows == "auto" else int(rows), rule, args, prompts)
+                    None if rows == "auto" else int(rows), rule, mix[mixed], args, prompts)
         if want is None:
             want = r.pop("tokens")
         else:
@@ -239,8 +293,9 @@ def main(argv=None):
 def report(r: dict, first: dict, peak) -> None:
     r["vs_first"] = first["wall_s"] / r["wall_s"]
     r["prefill_pct_of_peak"] = (100 * r["prefill_flop_per_s"] / peak) if peak else None
-    print(f"{r['method']} K={r['k']} prefill batch {r['prefill_batch']}, pages "
-          f"{r['pages']}: wall "
+    print(f"{r['method']} K={r['k']} prefill batch {r['prefill_batch']} x chunk "
+          f"{r['prefill_chunk']}, mixed {'on' if r['mixed_prefill'] else 'off'} "
+          f"({r['mixed_steps']} steps), pages {r['pages']}: wall "
           f"{r['wall_s']:.2f} s ({r['vs_first']:.2f}x the first), {r['tokens_per_s']:.0f} "
           f"generated tok/s; admission {r['admit_s']:.2f} s "
           f"({100 * r['admit_s'] / r['wall_s']:.0f} %), decode {r['decode_s']:.2f} s in "
