@@ -3,7 +3,7 @@
   PYTHONPATH=. python launch/bench_batch_job.py [--requests 96] [--prompt-len 1024]
       [--new-tokens 256] [--spread 0.75] [--max-batch 32] [--methods none,chain] [--k 3] [--shape mimo-7b]
       [--prefill-chunk 256] [--prefill-batch 1,8] [--max-tokens 4096] [--kv-pages N]
-      [--pages on-demand,reserve] [--mixed on,off] [--job-programs] [--reps 2] [--tiny]
+      [--pages on-demand,reserve] [--job-programs] [--reps 2] [--tiny]
 
 The 7-8B shape of launch/bench_decode.py with its oracle weights (every draft agrees),
 `requests` random prompts of `prompt-len` tokens and `new-tokens` new tokens each, one
@@ -19,12 +19,9 @@ warmed up first, compile reported apart; the job run through `Engine.generate`, 
 - prefill tokens/s and its FLOP rate, 2 x (target matmul params + MTP matmul params for
   speculative methods) per prompt token plus causal attention (2 x 2 x layers x q-heads x
   head_dim x L^2 / 2 per prompt), against the bf16 dense peak of the card when known;
-- slot idle share: 1 - (sum over dispatches, and over admission rounds whose prefill
-  chunks carried decode steps (mixed prefill), of running slots x seconds) / (max_batch x
-  wall): the slot-time spent waiting on admissions, on the job's ragged end, and on the
-  host;
-- with mixed prefill (`--mixed on,off`: `EngineConfig.mixed_prefill`), the decode steps
-  that rode in prefill chunks; admission seconds then include them;
+- slot idle share: 1 - (sum over dispatches of running slots x dispatch seconds) /
+  (max_batch x wall): the slot-time spent waiting on admissions, on the job's ragged end,
+  and on the host;
 - requests in flight at most, and preemptions.
 `--spread S` draws each request's output length uniformly from new-tokens x [1 - S, 1 + S]
 (one fixed draw), so requests end at different times and slots free up one by one, as in
@@ -68,17 +65,13 @@ class TimedEngine(Engine):
     job_chunks = None  # set: warm up only the prefill chunk lengths in it
 
     def _fill_slots(self, out):
-        before, mixed = self._admissions, self.stats["mixed_steps"]
-        running = sum(x is not None for x in self.slots)
+        before = self._admissions
         t0 = time.perf_counter()
         super()._fill_slots(out)
         if self._admissions != before:
             jax.block_until_ready(self.state)
-            seconds = time.perf_counter() - t0
-            self.stats["admit_seconds"] += seconds
+            self.stats["admit_seconds"] += time.perf_counter() - t0
             self.stats["admitted"] += self._admissions - before
-            if self.stats["mixed_steps"] != mixed:  # the running slots decoded meanwhile
-                self.stats["slot_seconds"] += running * seconds
 
     def prefill_programs(self):
         keep = self.job_chunks
@@ -177,13 +170,12 @@ def job_chunks(eng: Engine, prompt_len: int) -> set:
     return out
 
 
-def run_job(model, method, k, rows, rule, mixed, args, prompts):
+def run_job(model, method, k, rows, rule, args, prompts):
     cfg = model.config
     eng_cfg = EngineConfig(max_batch=args.max_batch,
                            max_model_len=args.prompt_len + (args.max_tokens or max(
                                new_tokens(args))) + 8, num_pages=args.kv_pages,
-                           prefill_chunk=args.prefill_chunk, prefill_batch=rows,
-                           mixed_prefill=mixed)
+                           prefill_chunk=args.prefill_chunk, prefill_batch=rows)
     t0 = time.perf_counter()
     kind = ReservingEngine if rule == "reserve" else TimedEngine
     eng = kind(model, SpecConfig(method, num_speculative_tokens=k), eng_cfg)
@@ -206,8 +198,6 @@ def run_job(model, method, k, rows, rule, mixed, args, prompts):
             best = {
                 "method": method, "k": k, "prefill_batch": eng.config.prefill_batch,
                 "prefill_chunk": eng.config.prefill_chunk,
-                "mixed_prefill": eng.config.mixed_prefill,
-                "mixed_steps": st.get("mixed_steps", 0),
                 "pages": rule, "preemptions": st.get("preemptions", 0),
                 "finish_reasons": sorted(collections.Counter(
                     r.finish_reason for r in res).items()),
@@ -245,8 +235,6 @@ def main(argv=None):
                     "max_model_len)")
     ap.add_argument("--pages", default="on-demand",
                     help="comma list of page rules: on-demand (the engine), reserve")
-    ap.add_argument("--mixed", default="auto", help="comma list of on, off, auto: prefill "
-                    "chunks riding in decode steps (EngineConfig.mixed_prefill)")
     ap.add_argument("--job-programs", action="store_true", help="warm up only the prefill "
                     "chunk lengths the job's prompts use (shorter compiles; the engine's "
                     "own warmup compiles every bucket)")
@@ -258,9 +246,6 @@ def main(argv=None):
     bad = set(args.pages.split(",")) - {"on-demand", "reserve"}
     if bad:
         ap.error(f"--pages: {sorted(bad)}; choose from on-demand, reserve")
-    bad = set(args.mixed.split(",")) - {"on", "off", "auto"}
-    if bad:
-        ap.error(f"--mixed: {sorted(bad)}; choose from on, off, auto")
     cfg = ModelConfig(**(TINY if args.tiny else SHAPES[args.shape]))
     dev = jax.devices()[0]
     peak = next((v for name, v in PEAK_BF16.items() if name in dev.device_kind), None)
@@ -271,12 +256,10 @@ def main(argv=None):
     k = args.k if args.k == "auto" else int(args.k)
     out = os.environ.get("OUT")
     runs, want = [], None
-    mix = {"on": True, "off": False, "auto": None}
-    for rows, rule, mixed, m in itertools.product(
-            args.prefill_batch.split(","), args.pages.split(","), args.mixed.split(","),
-            args.methods.split(",")):
+    for rows, rule, m in itertools.product(args.prefill_batch.split(","),
+                                           args.pages.split(","), args.methods.split(",")):
         r = run_job(model, m, 1 if m == "none" else k,
-                    None if rows == "auto" else int(rows), rule, mix[mixed], args, prompts)
+                    None if rows == "auto" else int(rows), rule, args, prompts)
         if want is None:
             want = r.pop("tokens")
         else:
@@ -294,8 +277,7 @@ def report(r: dict, first: dict, peak) -> None:
     r["vs_first"] = first["wall_s"] / r["wall_s"]
     r["prefill_pct_of_peak"] = (100 * r["prefill_flop_per_s"] / peak) if peak else None
     print(f"{r['method']} K={r['k']} prefill batch {r['prefill_batch']} x chunk "
-          f"{r['prefill_chunk']}, mixed {'on' if r['mixed_prefill'] else 'off'} "
-          f"({r['mixed_steps']} steps), pages {r['pages']}: wall "
+          f"{r['prefill_chunk']}, pages {r['pages']}: wall "
           f"{r['wall_s']:.2f} s ({r['vs_first']:.2f}x the first), {r['tokens_per_s']:.0f} "
           f"generated tok/s; admission {r['admit_s']:.2f} s "
           f"({100 * r['admit_s'] / r['wall_s']:.0f} %), decode {r['decode_s']:.2f} s in "

@@ -632,10 +632,6 @@ class EngineConfig:
     # run in the next power of two). None: 1 on CPU, 8 on GPU and TPU, where a 256-token
     # chunk alone leaves the matmuls far from peak (docs/BENCHMARKS.md, prefill)
     prefill_batch: Optional[int] = None
-    # prefill chunks of the longest length ride in the running slots' decode steps (one
-    # forward over both), so decoding goes on while prompts are prefilled. None: on for
-    # GPU and TPU, off on CPU (no idle compute there to fill) and with a dp mesh
-    mixed_prefill: Optional[bool] = None
     max_stop_ids: int = 8
     attention_backend: Optional[str] = None  # None: by jax.default_backend()
     kv_dtype: Optional[str] = None  # None: the model's dtype; "fp8": float8_e4m3fn pages
@@ -652,9 +648,6 @@ class EngineConfig:
         if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 1
                               or r & (r - 1)):
             raise ConfigError(f"prefill_batch must be a power of two >= 1 (or None), got {r!r}")
-        if self.mixed_prefill not in (None, True, False):
-            raise ConfigError(f"mixed_prefill must be True, False or None, got "
-                              f"{self.mixed_prefill!r}")
         if self.steps_per_dispatch < 1:
             raise ConfigError("steps_per_dispatch must be >= 1")
 

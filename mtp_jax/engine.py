@@ -142,15 +142,9 @@ class Engine:
         eng = dataclasses.replace(config or EngineConfig(), **overrides)
         # None: rows where matmuls need them to reach peak; never more rows than slots
         # (rounded up to the power of two that runs them)
-        cpu = jax.default_backend() == "cpu"
-        rows = eng.prefill_batch or (1 if cpu else 8)
-        dp = 1 if mesh is None else mesh.shape["dp"]
-        if eng.mixed_prefill and dp > 1:
-            raise ConfigError("mixed_prefill needs slots that are not split over a dp mesh "
-                              f"axis (dp={dp}); leave it None or False there")
-        mixed = (not cpu and dp == 1) if eng.mixed_prefill is None else eng.mixed_prefill
+        rows = eng.prefill_batch or (1 if jax.default_backend() == "cpu" else 8)
         eng = dataclasses.replace(eng, prefill_batch=min(
-            rows, 1 << (eng.max_batch - 1).bit_length()), mixed_prefill=mixed)
+            rows, 1 << (eng.max_batch - 1).bit_length()))
         scales = None
         if eng.kv_dtype == "fp8":
             if model.kv_scales is None:  # calibrated once per model, kept with it
@@ -196,7 +190,6 @@ class Engine:
         self.step_prior = None  # seconds per step of each kind at warmup (adaptive only)
         self._resumed: dict = {}  # id(queued Request) -> _Resumed, for preempted requests
         self._admissions = 0
-        self._mixed = 0  # decode steps run inside prefill forwards since the last collection
         # per-slot counters as of the last collection, for each dispatch's deltas
         self._seen = np.zeros((eng.max_batch, 2 * k + 1), np.int64)
         self._generated = np.zeros((eng.max_batch,), np.int64)
@@ -221,14 +214,6 @@ class Engine:
         return [(r, c) for r in self.row_buckets() for c in self.buckets()
                 if c >= self._chunk(r, 1)]
 
-    def mixed_programs(self) -> list[tuple]:
-        """(rows, chunk length) of every mixed program (a decode step carrying a prefill
-        chunk): the longest chunk of each row count. A shorter, final chunk of a prompt
-        runs alone."""
-        if not self.config.mixed_prefill:
-            return []
-        return [(r, self.buckets()[-1]) for r in self.row_buckets()]
-
     def _chunk(self, rows: int, n: int) -> int:
         """The chunk length that runs n prompt tokens per row in a forward of `rows` rows."""
         top = self.buckets()[-1]
@@ -250,11 +235,6 @@ class Engine:
                 st = self.progs.prefill_mtp(c)(p, st, slots, zero, zero)
             if c == self.buckets()[-1]:
                 st = self.progs.prefill_finish(p, st, slots, logits, zero)
-        for r, c in self.mixed_programs():  # no slot runs yet: nothing is written
-            slots = np.full((r,), self.config.max_batch, np.int32)
-            zero = np.zeros((r,), np.int32)
-            logits = jnp.zeros((r, self.model.config.vocab_size), jnp.float32)
-            st, _ = self.progs.mixed(c)(p, st, slots, zero, zero, logits)
         self.state = st
         # admit a dummy request onto null pages with every KV write dropped (limit 0), run
         # one step of each kind and free the slot again, with the argument types the real
@@ -305,8 +285,6 @@ class Engine:
         for n in ("prefill_target", "prefill_mtp") if self.spec.k else ("prefill_target",):
             fns = [getattr(self.progs, n)(c) for c in self.buckets()]
             out[n] = sum(f._cache_size() for f in fns)  # per chunk length and row count
-        if self.config.mixed_prefill:
-            out["mixed"] = self.progs.mixed(self.buckets()[-1])._cache_size()  # per row count
         return out
 
     # ------------------------------------------------------------------ checks
@@ -393,6 +371,7 @@ class Engine:
         rows max_batch with prompt length 0): the target's chunks, the MTP history's, then
         each row's first token and drafts. Chunk lengths follow the longest remainder."""
         s, p = self.static, self.model.params
+        st = self.state
         logits = jnp.zeros((len(slots), self.model.config.vocab_size), jnp.float32)
 
         def chunks(end):  # (chunk length, starts, valid lengths) until every row is done
@@ -403,30 +382,13 @@ class Engine:
                 yield c, start, valid
                 start = start + valid
 
-        target = list(chunks(prompt_len))
-        top = self.buckets()[-1]
-        mixed = self._ride(sum(c == top for c, _, _ in target))
-        st = self.state
-        for c, start, valid in target:
-            prog = self.progs.mixed(c) if mixed and c == top else self.progs.prefill_target(c)
-            st, logits = prog(p, st, slots, start, valid, logits)
+        for c, start, valid in chunks(prompt_len):
+            st, logits = self.progs.prefill_target(c)(p, st, slots, start, valid, logits)
         if s.k:
             history_end = (prompt_len - 1 - s.k).astype(np.int32)  # final windows start here
             for c, start, _ in chunks(history_end):
                 st = self.progs.prefill_mtp(c)(p, st, slots, start, history_end)
         self.state = self.progs.prefill_finish(p, st, slots, logits, prompt_len)
-
-    def _ride(self, steps: int) -> bool:
-        """Whether the running slots decode `steps` steps inside the next prefill batch's
-        chunks: mixed prefill is on, a slot runs, and the pool has their pages (else the
-        chunks run alone; nothing is preempted for this)."""
-        if not (self.config.mixed_prefill and steps and any(x is not None for x in self.slots)):
-            return False
-        if not self._grow(self._need(steps)):
-            return False
-        self._mixed += steps
-        self.stats["mixed_steps"] += steps
-        return True
 
     def _thinking(self, prompt) -> bool:
         """Whether the prompt leaves the request inside a thinking phase."""
@@ -550,7 +512,6 @@ class Engine:
             (st.finish, st.num_generated, st.steps, st.accepted, st.drafted))
         self._ready = time.perf_counter()  # the dispatch's steps are done
         self._generated = np.array(ngen)
-        self._mixed = 0
         now = np.concatenate([np.asarray(steps)[:, None], acc, tried], axis=1)
         live = np.asarray([x is not None for x in self.slots])
         self._delta = np.where(live[:, None], now - self._seen, 0)
@@ -642,13 +603,12 @@ class Engine:
                     jax.block_until_ready(self.state)
                 t0 = time.perf_counter()
                 self.state = self.progs.steps(kind)(self.model.params, self.state, jnp.int32(n))
-                mixed = self._mixed  # steps the collection counts that ran before t0
                 done = self._collect()
                 seconds = time.perf_counter() - t0
                 if self.control:
                     k, d = self.static.k, self._delta.sum(0)
                     self.control.update(kind, self._ready - t0 if timed else 0.0,
-                                        max(0, int(self._delta[:, 0].max()) - mixed),
+                                        int(self._delta[:, 0].max()),
                                         d[1: k + 1], d[k + 1:])
                 yield from done
                 self.stats["dispatch_seconds"] += seconds
@@ -660,8 +620,18 @@ class Engine:
     def _hold_pages(self, steps: int) -> None:
         """Give every running request the pages the next dispatch of `steps` steps can
         write; preempt the most recently admitted unpinned ones while the pool cannot."""
+        k = self.static.k
         while True:
-            need = self._need(steps)
+            need = {}
+            for i, x in enumerate(self.slots):
+                if x is None:
+                    continue
+                length = len(x.req.prompt_ids) + int(self._generated[i])
+                want = min(length + steps * (k + 1) + k, self._reserve_tokens(x.req))
+                if want > x.tokens:
+                    need[i] = want
+            if not need:
+                return
             if self._grow(need):
                 return
             # Only unpinned requests grow, so one of them (maybe the asker) can yield. A
@@ -671,23 +641,8 @@ class Engine:
                 raise RuntimeError("the KV page pool cannot hold one request's next dispatch")
             self._preempt(max(victims, key=lambda i: self.slots[i].order))
 
-    def _need(self, steps: int) -> dict:
-        """{slot: KV positions} for the running requests whose pages cannot cover `steps`
-        more steps (after the steps run inside prefill forwards since the last collection)."""
-        k, need = self.static.k, {}
-        for i, x in enumerate(self.slots):
-            if x is None:
-                continue
-            length = len(x.req.prompt_ids) + int(self._generated[i])
-            want = min(length + (steps + self._mixed) * (k + 1) + k, self._reserve_tokens(x.req))
-            if want > x.tokens:
-                need[i] = want
-        return need
-
     def _grow(self, need: dict) -> bool:
         """Extend the slots' pages to `need` {slot: tokens}, all or none."""
-        if not need:
-            return True
         grown, fresh = {}, []
         for i, tokens in need.items():
             new = self.alloc.grow(self.slots[i].pages, tokens)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -233,17 +233,6 @@ class PageAllocator:
         return rows
 
 
-class Rows(NamedTuple):
-    """Rows of a second batch in one forward with a PagedKV's own (`attend_mixed`): their
-    block tables (per group [r, width]), KV write limits [r], positions [r, c] and
-    attended lengths [r]."""
-
-    block_tables: tuple
-    limit: jax.Array
-    positions: jax.Array
-    kv_lens: jax.Array
-
-
 class PagedKV:
     """The paged caches of one traced program and the attention backends over them.
 
@@ -332,37 +321,6 @@ class PagedKV:
                           + (P(tp),) * len(extra), rows)
         return fn(q, *pages, table, kv_lens, *extra)
 
-    def attend_mixed(self, positions, kv_lens, rows: "Rows"):
-        """The backend for one forward whose token axis [1, b*t + r*c] holds this cache's
-        rows at positions [b, t] (flattened row by row), then the `rows` of other block
-        tables over the same pages (a prefill batch) at rows.positions [r, c]. Keys are
-        written for both, then each part attends with its own tables and lengths."""
-        ps = self.layout.page_size
-        slots = [jnp.concatenate([slot_mapping(bt, positions, ps, self.limit).reshape(1, -1),
-                                  slot_mapping(rt, rows.positions, ps, rows.limit).reshape(1, -1)],
-                                 axis=1)
-                 for bt, rt in zip(self.block_tables, rows.block_tables)]
-        parts = ((positions.shape, self.block_tables, kv_lens),
-                 (rows.positions.shape, rows.block_tables, rows.kv_lens))
-
-        def attend(layer, q, k, v, window, *, sm_scale=None, v_dim=None, sinks=None):
-            g = self.layout.layer_group[layer]
-            if (v is None) != self.layout.latent:
-                raise ValueError("latent attention needs a latent KV layout, and only it")
-            scales = self._scales(layer)
-            pages = self._write(self.caches[layer], k, v, slots[g], scales, v_dim)
-            self.caches[layer] = pages
-            outs, at = [], 0
-            for (b, t), tables, lens in parts:
-                part = q[0, at: at + b * t].reshape((b, t) + q.shape[2:])
-                out = self._attend(part, pages, tables[g], lens, window, sm_scale, v_dim,
-                                   sinks, scales)
-                outs.append(out.reshape((1, b * t) + out.shape[2:]))
-                at += b * t
-            return jnp.concatenate(outs, axis=1)
-
-        return attend
-
     def attend(self, positions, kv_lens):
         slots = [slot_mapping(bt, positions, self.layout.page_size, self.limit)
                  for bt in self.block_tables]
@@ -381,4 +339,4 @@ class PagedKV:
 
 
 __all__ = ["DROP_SLOT", "KVGroup", "KVLayout", "make_layout", "init_caches", "PageAllocator",
-           "PagedKV", "Rows"]
+           "PagedKV"]

@@ -38,7 +38,7 @@ from pallas_kernels.shift_draft_inputs import shift_draft_inputs
 
 from .config import EngineConfig, ModelConfig, SpecConfig
 from .drafting import draft, mtp_prefill
-from .kv_cache import KVLayout, PagedKV, Rows, init_caches
+from .kv_cache import KVLayout, PagedKV, init_caches
 from .sampling import SALT_TARGET, accept, row_keys, sample
 from .sharding import P, batch_axis, shard_kernel, use_mesh
 
@@ -161,19 +161,12 @@ def _mtp_table(st: Static, block_tables):
 
 
 # ---------------------------------------------------------------------------- the step
-def decode_step(model, s: Static, st: DecodeState, kr: Optional[int] = None,
-                prefill: Optional["_PrefillChunk"] = None):
+def decode_step(model, s: Static, st: DecodeState, kr: Optional[int] = None) -> DecodeState:
     """One verify + accept + draft step of kind kr (drafts verified and drafted next,
-    0..K; default K). The carry and the state stay K wide whatever the kind.
-
-    With `prefill`, the verify forward also carries that target-prefill chunk of a prefill
-    batch (one forward over both, its token axis flattened; the batch's own slots do not
-    decode yet): returns (state, the chunk's logits) as `prefill_target` does."""
+    0..K; default K). The carry and the state stay K wide whatever the kind."""
     k, eng = (s.k if kr is None else kr), s.eng
     b = st.length.shape[0]
     run = st.active & (st.finish == FINISH_NONE)
-    if prefill is not None:
-        run = run & ~jnp.zeros((b,), bool).at[prefill.slots].set(True, mode="drop")
     length = st.length
     idx = jnp.arange(k + 1)
     drafts_in = st.drafts[:, :k]
@@ -183,21 +176,8 @@ def decode_step(model, s: Static, st: DecodeState, kr: Optional[int] = None,
     limit = jnp.where(run, st.limit, 0)
     kv = PagedKV(s.layout, st.caches, st.block_tables, limit, backend=eng.attention_backend,
                  mesh=s.mesh)
-    lens = jnp.where(run, length + k, 0)
     with jax.named_scope("verify"):
-        if prefill is None:
-            normed, pre = model.target(toks, pos, kv.attend(pos, lens))
-        else:
-            p_toks, p_pos = prefill.inputs(s, st)
-            flat = lambda x: x.reshape((1, -1) + x.shape[2:])  # noqa: E731
-            cut = b * (k + 1)
-            normed, pre = model.target(
-                jnp.concatenate([flat(toks), flat(p_toks)], axis=1),
-                jnp.concatenate([flat(pos), flat(p_pos)], axis=1),
-                kv.attend_mixed(pos, lens, prefill.rows(s, st)))
-            (normed, p_normed), (pre, p_pre) = (
-                (x[0, :cut].reshape(b, k + 1, -1), x[0, cut:].reshape(p_toks.shape + (-1,)))
-                for x in (normed, pre))
+        normed, pre = model.target(toks, pos, kv.attend(pos, jnp.where(run, length + k, 0)))
         logits = model.target.head(normed)  # [B, K+1, V] f32
         hid = model.target.mtp_hidden(normed, pre)
     with jax.named_scope("accept"):
@@ -257,8 +237,7 @@ def decode_step(model, s: Static, st: DecodeState, kr: Optional[int] = None,
         upd["drafts"] = drafts
     fields = {f: getattr(st, f) for f in upd}
     merged = _where(run, upd, fields)
-    st = st.replace(caches=tuple(kv.caches), out_tokens=out_tokens, **merged)
-    return st if prefill is None else prefill.outputs(model, s, st, p_normed, p_pre)
+    return st.replace(caches=tuple(kv.caches), out_tokens=out_tokens, **merged)
 
 
 def _shift(s: Static, hist_t, hist_h, new_t, new_h, n, anchor, table, limit):
@@ -346,18 +325,12 @@ def release(st: DecodeState, mask) -> DecodeState:
 
 
 # ----------------------------------------------------------------------------- prefill
-def _rows_tables(s: Static, st: DecodeState, slots, limit):
-    """(block tables, write limits [r]) of the slots [r] of a prefill batch, writes below
-    `limit` [r] (and the slot's own limit). A slot index of max_batch marks a padding row:
-    every write dropped."""
+def _rows_kv(s: Static, st: DecodeState, slots, limit):
+    """PagedKV over the slots [r] of a prefill batch, writes below `limit` [r] (and the
+    slot's own limit). A slot index of max_batch marks a padding row: every write dropped."""
     real = slots < s.eng.max_batch
     tables = tuple(bt.at[slots].get(mode="clip") for bt in st.block_tables)
-    return tables, jnp.where(real, jnp.minimum(st.limit.at[slots].get(mode="clip"), limit), 0)
-
-
-def _rows_kv(s: Static, st: DecodeState, slots, limit):
-    """PagedKV over the slots [r] of a prefill batch (`_rows_tables`)."""
-    tables, limit = _rows_tables(s, st, slots, limit)
+    limit = jnp.where(real, jnp.minimum(st.limit.at[slots].get(mode="clip"), limit), 0)
     return PagedKV(s.layout, st.caches, tables, limit, backend=s.eng.attention_backend,
                    mesh=s.mesh, batch_sharded=False)
 
@@ -375,51 +348,24 @@ def prefill_target(model, s: Static, st: DecodeState, slots, start, valid, logit
 
     Writes the target KV and the MTP hiddens into the scratch; returns (state, logits
     [r, V]: a row's last valid position, or `logits`' row where valid is 0)."""
-    chunk_in = _PrefillChunk(slots, start, valid, logits, chunk)
-    tokens, pos = chunk_in.inputs(s, st)
+    o = s.offset
+    r = slots.shape[0]
+    tokens = _scratch_rows(st.prefill_tokens, o + start, chunk)
+    pos = start[:, None] + jnp.arange(chunk)
     kv = _rows_kv(s, st, slots, start + valid)
     normed, pre = model.target(tokens, pos, kv.attend(pos, start + chunk))
-    return chunk_in.outputs(model, s, st.replace(caches=tuple(kv.caches)), normed, pre)
-
-
-@dataclasses.dataclass(frozen=True)
-class _PrefillChunk:
-    """One target-prefill chunk of a prefill batch (`prefill_target`), alone or riding
-    in a decode step's verify forward (`mixed_step`)."""
-
-    slots: jax.Array  # [r]
-    start: jax.Array  # [r]
-    valid: jax.Array  # [r]
-    logits: jax.Array  # [r, V]
-    chunk: int
-
-    def inputs(self, s: Static, st: DecodeState):
-        """(tokens, positions) [r, chunk] from the rows' scratch."""
-        tokens = _scratch_rows(st.prefill_tokens, s.offset + self.start, self.chunk)
-        return tokens, self.start[:, None] + jnp.arange(self.chunk)
-
-    def rows(self, s: Static, st: DecodeState) -> Rows:
-        tables, limit = _rows_tables(s, st, self.slots, self.start + self.valid)
-        return Rows(tables, limit, self.inputs(s, st)[1], self.start + self.chunk)
-
-    def outputs(self, model, s: Static, st: DecodeState, normed, pre):
-        """Keep the chunk's MTP hiddens in the scratch, end rows with a non-finite hidden;
-        returns (state, logits [r, V]: a row's last valid position, or the previous
-        logits' row where valid is 0)."""
-        valid, r = self.valid, self.slots.shape[0]
-        pos = self.start[:, None] + jnp.arange(self.chunk)
-        last = jnp.take_along_axis(normed, jnp.maximum(valid - 1, 0)[:, None, None], axis=1)
-        logits = jnp.where((valid > 0)[:, None], model.target.head(last[:, 0]), self.logits)
-        hid = model.target.mtp_hidden(normed, pre).astype(st.prefill_hidden.dtype)
-        real = jnp.arange(self.chunk)[None] < valid[:, None]  # [r, chunk]
-        at = jnp.where(real, s.offset + pos, st.prefill_hidden.shape[1])  # past the end: dropped
-        scratch = st.prefill_hidden.at[jnp.arange(r)[:, None], at].set(hid, mode="drop")
-        # A non-finite hidden anywhere in the prompt ends the request (its K/V are written
-        # as zeros, so the last row's logits alone would not show it).
-        bad = jnp.any(real[..., None] & ~jnp.isfinite(pre.astype(jnp.float32)), axis=(1, 2))
-        was = st.finish.at[self.slots].get(mode="clip")
-        finish = st.finish.at[self.slots].set(jnp.where(bad, FINISH_ERROR, was), mode="drop")
-        return st.replace(prefill_hidden=scratch, finish=finish), logits
+    last = jnp.take_along_axis(normed, jnp.maximum(valid - 1, 0)[:, None, None], axis=1)
+    logits = jnp.where((valid > 0)[:, None], model.target.head(last[:, 0]), logits)
+    hid = model.target.mtp_hidden(normed, pre).astype(st.prefill_hidden.dtype)
+    real = jnp.arange(chunk)[None] < valid[:, None]  # [r, chunk]
+    at = jnp.where(real, o + pos, st.prefill_hidden.shape[1])  # past the end: dropped
+    scratch = st.prefill_hidden.at[jnp.arange(r)[:, None], at].set(hid, mode="drop")
+    # A non-finite hidden anywhere in the prompt ends the request (its K/V are written
+    # as zeros, so the last row's logits alone would not show it).
+    bad = jnp.any(real[..., None] & ~jnp.isfinite(pre.astype(jnp.float32)), axis=(1, 2))
+    was = st.finish.at[slots].get(mode="clip")
+    finish = st.finish.at[slots].set(jnp.where(bad, FINISH_ERROR, was), mode="drop")
+    return st.replace(caches=tuple(kv.caches), prefill_hidden=scratch, finish=finish), logits
 
 
 def prefill_mtp(model, s: Static, st: DecodeState, slots, start, history_end, chunk: int):
@@ -534,15 +480,6 @@ class Programs:
         def f(params, st, slots, start, valid, logits):
             return prefill_target(self._merge(params), self.static, st, slots, start, valid,
                                   logits, chunk)
-        return self._jit(f, 4, logits=True)
-
-    @functools.cache
-    def mixed(self, chunk: int):
-        """One decode step at the full K whose verify forward also carries a target-prefill
-        chunk (arguments and results as `prefill_target`'s)."""
-        def f(params, st, slots, start, valid, logits):
-            return decode_step(self._merge(params), self.static, st, None,
-                               _PrefillChunk(slots, start, valid, logits, chunk))
         return self._jit(f, 4, logits=True)
 
     @functools.cache
