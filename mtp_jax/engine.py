@@ -11,8 +11,8 @@ prefilled again and continued (same ids, seeds and positions, so the same output
 result joins both parts. Sampled requests verified by rejection sampling (a fixed K) hold
 their whole reservation from admission instead and are never preempted: their tokens
 depend on the drafts, which a continuation would draw anew. Admission runs the chunked
-prefill (target, then the MTP history, then the first drafts) of up to `prefill_batch`
-requests admitted together in one batch, a row each of every forward.
+prefill (target and MTP history chunk by chunk, then the first drafts) of up to
+`prefill_batch` requests admitted together in one batch, a row each of every forward.
 Then one dispatch runs up to `steps_per_dispatch` speculative steps on device (with
 adaptive speculation, of the step kind `mtp_jax.adaptive` picks for it); between
 dispatches the host collects finished requests (stop ids, budget, max_model_len and NaN
@@ -230,8 +230,8 @@ class Engine:
             slots = np.full((r,), self.config.max_batch, np.int32)
             zero = np.zeros((r,), np.int32)
             logits = jnp.zeros((r, self.model.config.vocab_size), jnp.float32)
-            st, logits = self.progs.prefill_target(c)(p, st, slots, zero, zero, logits)
-            if self.spec.k:
+            st, logits = self.progs.prefill_target(c)(p, st, slots, zero, zero, logits, zero)
+            if self.spec.k and not self.static.history_in_target:
                 st = self.progs.prefill_mtp(c)(p, st, slots, zero, zero)
             if c == self.buckets()[-1]:
                 st = self.progs.prefill_finish(p, st, slots, logits, zero)
@@ -282,7 +282,8 @@ class Engine:
         out = {n: getattr(self.progs, n)._cache_size()
                for n in ("admit", "release", "prefill_finish", "grow")}  # finish: per row count
         out["run_steps"] = sum(self.progs.steps(k)._cache_size() for k in self.static.kinds)
-        for n in ("prefill_target", "prefill_mtp") if self.spec.k else ("prefill_target",):
+        separate = self.spec.k and not self.static.history_in_target
+        for n in ("prefill_target", "prefill_mtp") if separate else ("prefill_target",):
             fns = [getattr(self.progs, n)(c) for c in self.buckets()]
             out[n] = sum(f._cache_size() for f in fns)  # per chunk length and row count
         return out
@@ -358,18 +359,20 @@ class Engine:
         full[: len(pages[0])] = pages[0]
         sp = req.sampling
         tokens = self._admit_tokens(req) if limit is None else limit
+        # numpy scalars: they travel with the call (a jnp scalar is a dispatch of its own)
+        i32, f32 = np.int32, np.float32
         self.state = self.progs.admit(
-            self.state, jnp.int32(slot), jnp.int32(row), buf, jnp.int32(tokens),
-            jnp.int32(self._budget(req)), stops, jnp.float32(sp.temperature),
-            jnp.int32(sp.top_k), jnp.float32(sp.top_p),
-            np.asarray(split_seed(sp.seed), np.uint32), jnp.bool_(sp.relaxed),
-            jnp.bool_(self._thinking(prompt)), rows, full)
+            self.state, i32(slot), i32(row), buf, i32(tokens), i32(self._budget(req)), stops,
+            f32(sp.temperature), i32(sp.top_k), f32(sp.top_p),
+            np.asarray(split_seed(sp.seed), np.uint32), np.bool_(sp.relaxed),
+            np.bool_(self._thinking(prompt)), rows, full)
         return self.state
 
     def _prefill(self, slots: np.ndarray, prompt_len: np.ndarray) -> None:
         """Prefill a batch of admitted requests together, a row each (slots [r], padding
-        rows max_batch with prompt length 0): the target's chunks, the MTP history's, then
-        each row's first token and drafts. Chunk lengths follow the longest remainder."""
+        rows max_batch with prompt length 0): the target's chunks, each with the MTP
+        history over its positions (`window`: the history's chunks after them), then each
+        row's first token and drafts. Chunk lengths follow the longest remainder."""
         s, p = self.static, self.model.params
         st = self.state
         logits = jnp.zeros((len(slots), self.model.config.vocab_size), jnp.float32)
@@ -382,10 +385,11 @@ class Engine:
                 yield c, start, valid
                 start = start + valid
 
+        history_end = (prompt_len - 1 - s.k).astype(np.int32)  # final windows start here
         for c, start, valid in chunks(prompt_len):
-            st, logits = self.progs.prefill_target(c)(p, st, slots, start, valid, logits)
-        if s.k:
-            history_end = (prompt_len - 1 - s.k).astype(np.int32)  # final windows start here
+            st, logits = self.progs.prefill_target(c)(p, st, slots, start, valid, logits,
+                                                      history_end)
+        if s.k and not s.history_in_target:
             for c, start, _ in chunks(history_end):
                 st = self.progs.prefill_mtp(c)(p, st, slots, start, history_end)
         self.state = self.progs.prefill_finish(p, st, slots, logits, prompt_len)

@@ -14,9 +14,11 @@ the committed length moves. `run_steps` runs up to N steps in one `lax.while_loo
 
 Prefill (a batch of up to `EngineConfig.prefill_batch` requests in one forward, a row
 each, rows and chunk lengths bucketed to powers of two): `prefill_target` per chunk
-(writes target KV, keeps the chunk's MTP hiddens in the row's scratch), `prefill_mtp` per
-chunk of the history region (positions < a - K, a = prompt_len - 1), then
-`prefill_finish` samples each row's first token and runs its regular draft window.
+(writes target KV, keeps the chunk's MTP hiddens in the row's scratch, and fills the MTP
+caches of the history region, positions < a - K with a = prompt_len - 1, over the same
+chunk), then `prefill_finish` samples each row's first token and runs its regular draft
+window. `window` drafting reads K hiddens past each position, so its history runs a
+program of its own (`prefill_mtp`) after the target's chunks.
 All programs take the state donated and are built by `programs(...)` for one static
 configuration, so nothing recompiles once each prefill bucket has been seen.
 """
@@ -117,6 +119,13 @@ class Static:
     def offset(self) -> int:
         """Scratch index of position 0 (room for the window's rows before the prompt)."""
         return self.spec.k + 1
+
+    @property
+    def history_in_target(self) -> bool:
+        """The MTP history prefill of a chunk runs in its target-prefill program: it needs
+        only that chunk's hiddens (and prompt tokens). `window` reads the K hiddens after
+        each position too, so it runs a chunk behind, as a program of its own."""
+        return self.k > 0 and self.spec.method != "window"
 
     @property
     def prefill_rows(self) -> int:
@@ -341,13 +350,16 @@ def _scratch_rows(scratch, start, size: int):
     return jax.vmap(lambda x, a: jax.lax.dynamic_slice_in_dim(x, a, size, 0))(rows, start)
 
 
-def prefill_target(model, s: Static, st: DecodeState, slots, start, valid, logits, chunk: int):
+def prefill_target(model, s: Static, st: DecodeState, slots, start, valid, logits, chunk: int,
+                   history_end=None):
     """Target over prompt positions start[r]..start[r]+chunk-1 of each row r of a prefill
     batch (slots [r], scratch rows 0..r-1; the first valid[r] positions are real, a row
     with valid 0 writes nothing).
 
     Writes the target KV and the MTP hiddens into the scratch; returns (state, logits
-    [r, V]: a row's last valid position, or `logits`' row where valid is 0)."""
+    [r, V]: a row's last valid position, or `logits`' row where valid is 0). When
+    `s.history_in_target`, also the MTP history over the same positions (`prefill_mtp`,
+    writes at >= history_end[r] dropped), in the same program."""
     o = s.offset
     r = slots.shape[0]
     tokens = _scratch_rows(st.prefill_tokens, o + start, chunk)
@@ -365,7 +377,10 @@ def prefill_target(model, s: Static, st: DecodeState, slots, start, valid, logit
     bad = jnp.any(real[..., None] & ~jnp.isfinite(pre.astype(jnp.float32)), axis=(1, 2))
     was = st.finish.at[slots].get(mode="clip")
     finish = st.finish.at[slots].set(jnp.where(bad, FINISH_ERROR, was), mode="drop")
-    return st.replace(caches=tuple(kv.caches), prefill_hidden=scratch, finish=finish), logits
+    st = st.replace(caches=tuple(kv.caches), prefill_hidden=scratch, finish=finish)
+    if s.history_in_target:
+        st = prefill_mtp(model, s, st, slots, start, history_end, chunk)
+    return st, logits
 
 
 def prefill_mtp(model, s: Static, st: DecodeState, slots, start, history_end, chunk: int):
@@ -476,11 +491,12 @@ class Programs:
     # one compile per chunk length and row count.
     @functools.cache
     def prefill_target(self, chunk: int):
-        """The target-prefill program for one chunk length."""
-        def f(params, st, slots, start, valid, logits):
+        """The target-prefill program for one chunk length (with the MTP history when
+        `history_in_target`)."""
+        def f(params, st, slots, start, valid, logits, history_end):
             return prefill_target(self._merge(params), self.static, st, slots, start, valid,
-                                  logits, chunk)
-        return self._jit(f, 4, logits=True)
+                                  logits, chunk, history_end)
+        return self._jit(f, 5, logits=True)
 
     @functools.cache
     def prefill_mtp(self, chunk: int):

@@ -110,6 +110,7 @@ def test_batched_prefill_lossless(models, prompts, references, method, k):
     before = eng.cache_sizes()
     reqs = [Request(i, p, SamplingParams(max_tokens=b)) for i, (p, b) in
             enumerate(zip(prompts, BUDGETS))]
+    assert "prefill_mtp" not in before  # the history runs in the target chunk's program
     got, want = eng.generate(reqs), one.generate(reqs)
     for req, g, w, (ref, reason) in zip(reqs, got, want, references["deepseek_v3"]):
         assert g.token_ids == ref, near_tie_report(model, req.prompt_ids, g.token_ids, ref)
@@ -130,6 +131,10 @@ def test_prefill_programs_skip_chunks_bound_by_weight_reads(models):
         + [(4, c) for c in (64, 128, 256)] + [(8, c) for c in (32, 64, 128, 256)])
     assert (eng._chunk(1, 5), eng._chunk(8, 5), eng._chunk(2, 300), eng._chunk(4, 100)) == (
         16, 32, 256, 128)
+    # window reads K hiddens past each position: its history runs a chunk program of its own
+    assert [Engine(models["mimo"], SpecConfig(m, num_speculative_tokens=2), EngineConfig(
+        max_batch=2, max_model_len=64)).static.history_in_target
+        for m in ("chain", "window", "eagle", "per_step")] == [True, False, True, True]
     small = Engine(models["mimo"], SpecConfig("chain", num_speculative_tokens=1),
                    EngineConfig(max_batch=3, max_model_len=64, prefill_chunk=256))
     assert small.config.prefill_batch in (1, 4)  # 1 on CPU; never more rows than slots
