@@ -3,7 +3,7 @@
   PYTHONPATH=. python launch/bench_batch_job.py [--requests 96] [--prompt-len 1024]
       [--new-tokens 256] [--spread 0.75] [--max-batch 32] [--methods none,chain] [--k 3] [--shape mimo-7b]
       [--prefill-chunk 256] [--prefill-batch 1,8] [--max-tokens 4096] [--kv-pages N]
-      [--pages on-demand,reserve] [--job-programs] [--reps 2] [--tiny]
+      [--pages on-demand,reserve] [--job-programs] [--profile] [--reps 2] [--tiny]
 
 The 7-8B shape of launch/bench_decode.py with its oracle weights (every draft agrees),
 `requests` random prompts of `prompt-len` tokens and `new-tokens` new tokens each, one
@@ -42,7 +42,9 @@ import itertools
 import json
 import os
 import sys
+import tempfile
 import time
+from typing import Optional
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -52,6 +54,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import SHAPES, TINY, oracle_model, oracle_perm  # noqa: E402
+import profile_trace  # noqa: E402
 
 from mtp_jax.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig  # noqa: E402
 from mtp_jax.engine import Engine, Request  # noqa: E402
@@ -213,8 +216,26 @@ def run_job(model, method, k, rows, rule, args, prompts):
                 "max_running": st.get("max_running", 0),
                 "schedule": eng.control.summary() if eng.control is not None else None,
                 "tokens": [r.token_ids for r in res]}
+    if args.profile:
+        best["admission_profile"] = profile_admission(eng, reqs)
     del eng
     return best
+
+
+def profile_admission(eng: Engine, reqs: list) -> Optional[dict]:
+    """Trace one admission round (prefill_batch requests of the job, 1 token each: the
+    prefill, the MTP history and the first token) and print where its device time goes."""
+    batch = [Request(r.id, r.prompt_ids, SamplingParams(max_tokens=1))
+             for r in reqs[: eng.config.prefill_batch]]
+    eng.generate(batch)  # any first-call cost outside the trace
+    folder = tempfile.mkdtemp(prefix="trace_")
+    with profile_trace.traced(folder):
+        eng.generate(batch)
+        jax.block_until_ready(eng.state)
+    table = profile_trace.breakdown(folder)
+    print(profile_trace.render(table, unit=f"admission round of {len(batch)} x "
+                               f"{len(batch[0].prompt_ids)} tokens"), flush=True)
+    return table
 
 
 def main(argv=None):
@@ -238,6 +259,8 @@ def main(argv=None):
     ap.add_argument("--job-programs", action="store_true", help="warm up only the prefill "
                     "chunk lengths the job's prompts use (shorter compiles; the engine's "
                     "own warmup compiles every bucket)")
+    ap.add_argument("--profile", action="store_true", help="trace one admission round per "
+                    "run and print its kernel time by kind (launch/profile_trace.py)")
     ap.add_argument("--k", default="3", help="K of the speculative methods (an int or auto)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="mimo-7b")
     ap.add_argument("--reps", type=int, default=2)

@@ -307,3 +307,24 @@ def test_multihost_unreadable_input_stops_every_process(tmp_path):
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert proc.stderr.count("multihost: process 0 cannot read --input") >= 1, proc.stderr
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_profile_breakdown_kinds_and_cpu_trace(tmp_path):
+    """Kernel names as an H100 trace of the engine's prefill shows them fall in their
+    kinds; a CPU trace has no device plane, so no breakdown (and says so)."""
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, str(LAUNCH))
+    import profile_trace
+
+    names = {"nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NNN": "matmul",
+             "gemm_fusion_dot_3": "matmul", "paged_attention_gpu": "attention",
+             "input_scatter_fusion_79": "kv write / scatter",
+             "loop_transpose_fusion_75": "copy", "Memset 0": "copy",
+             "loop_multiply_fusion_37": "other fusion", "MysteryKernel": "other"}
+    assert {n: profile_trace.kind_of(n) for n in names} == names
+    with profile_trace.traced(str(tmp_path)):
+        jax.block_until_ready(jax.jit(lambda x: x @ x)(jnp.ones((8, 8))))
+    assert profile_trace.breakdown(str(tmp_path)) is None
+    assert "no accelerator kernels" in profile_trace.render(None)
