@@ -64,6 +64,11 @@ CASES = {c.name: c for c in [
     Case("prefill64_g4_ps16", 64, 4, 16, (64, 100, 0), overrides=(("pages_per_block", 2),)),
     Case("prefill64_g1_ps8_window_bf16", 64, 1, 8, (70, 130), jnp.bfloat16, window=32,
          overrides=(("pages_per_block", 2),)),
+    # the default prefill tiling (>= 128 packed rows: 128-row tiles over 64 kv positions)
+    Case("prefill64_g4_ps8_window_default_bf16", 64, 4, 8, (64, 150, 0), jnp.bfloat16,
+         window=90),
+    Case("prefill32_g8_ps16_d192_dv128_sinks_default_bf16", 32, 8, 16, (32, 77), jnp.bfloat16,
+         head_dim=192, v_dim=128, sinks=True),
     Case("decode_g4_ps8_split4", 1, 4, 8, (150, 3, 64), overrides=(("pages_per_block", 2),
                                                                  ("num_splits", 4))),
     # kv range past the table (capacity 24): the last block's table index is clamped.
