@@ -3,7 +3,7 @@
 
   PYTHONPATH=. python launch/bench_decode.py [--shape mimo-7b|llama2-7b]
       [--batches 1,8,32,64] [--ctxs 1024,4096] [--weights bf16,int8,fp8,fp8-block]
-      [--acceptance checkpoints/acceptance_bf16.json] [--tiny]
+      [--acceptance checkpoints/acceptance_bf16.json] [--profile] [--tiny]
 
 `--weights` runs the same table for the model as built and for each quantized copy
 (`mtp_jax.quantize_model`), side by side in one process, against one copy-bandwidth
@@ -44,6 +44,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -56,6 +57,7 @@ from flax import nnx  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_paged_attention import copy_bandwidth  # noqa: E402
+import profile_trace  # noqa: E402
 
 from mtp_jax.checkpoint import Model, abstract_model, quantize_model  # noqa: E402
 from mtp_jax.config import EngineConfig, ModelConfig, SpecConfig  # noqa: E402
@@ -251,7 +253,7 @@ def draft_loop(model, layout, b, dtype, mesh=None, spread=False, k=K):
 
 
 def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=False,
-                kv_dtype=None):
+                kv_dtype=None, profile=False):
     cfg = model.config
     max_len = max(ctxs) + steps * (K + 1) * 4 + 64
     eng = EngineConfig(max_batch=b, max_model_len=max_len, page_size=16, prefill_chunk=16,
@@ -280,6 +282,18 @@ def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=
             best, med = timed(run)
             row[f"{mth}_step_ms"] = best / steps * 1e3
             row[f"{mth}_step_ms_median"] = med / steps * 1e3
+            if profile:  # one more timed call, traced: the step's kernels by kind
+                folder = tempfile.mkdtemp(prefix=f"trace_{mth}_")
+                with profile_trace.traced(folder):
+                    run()
+                table = profile_trace.breakdown(folder)
+                log(f"{mth} B={b} ctx={ctx}: " + profile_trace.render(table, per=steps,
+                                                                      unit="step"))
+                if table:  # tracing slows the host: idle against the untraced step instead
+                    busy = table["busy_ns"] / steps / 1e6
+                    log(f"  kernels {busy:.2f} ms per step against the untraced step "
+                        f"{best / steps * 1e3:.2f} ms: idle {100 * (1 - busy * steps / 1e3 / best):.1f} %")
+                row[f"{mth}_profile"] = table
             del holder
         if not steps_only:
             for name, fn in (("verify4_ms", v4), ("draft_ms", draft_k)):
@@ -341,6 +355,9 @@ def main(argv=None):
                          "rejected: read the draft time and the projection, not the oracle")
     ap.add_argument("--steps-only", action="store_true",
                     help="time only the plain and speculative steps (skip verify / draft)")
+    ap.add_argument("--profile", action="store_true", help="trace one call of each step "
+                    "program and print its kernel time per step by kind, device idle "
+                    "included (launch/profile_trace.py)")
     args = ap.parse_args(argv)
     cfg = ModelConfig(**(TINY if args.tiny else SHAPES[args.shape]))
     dtype = jnp.dtype(cfg.dtype)
@@ -387,7 +404,7 @@ def main(argv=None):
         for b in [int(x) for x in args.batches.split(",")]:
             for row in bench_batch(model, b, [int(x) for x in args.ctxs.split(",")],
                                    args.steps, dtype, acceptance, mesh, args.steps_only,
-                                   args.kv_dtype):
+                                   args.kv_dtype, args.profile):
                 ctx = row["ctx"]
                 row["kv_dtype"] = args.kv_dtype or str(dtype)
                 plain_bytes = tw + b * ctx * kv_tok

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import itertools
 import json
 import os
 import statistics
@@ -251,6 +252,29 @@ def sweep(results, reps, key, fp8=False):
       run(batch, ctx, 1, dataclasses.replace(best, num_splits=s))
 
 
+def sweep_shape(results, reps, key, batch, ctx):
+  """At one (batch, ctx): Q=1 and Q=4 with the default tiling, then Q=4 over a grid of kv
+  block sizes, KV splits and stages (the verify of K=3 at a short context)."""
+  def run(q_len, cfg):
+    args = make_inputs(batch, ctx, q_len, key)
+    try:
+      _, best, med = time_per_call(ours(cfg), args, iters(batch, ctx), reps)
+    except Exception as e:
+      log(f"sweep B={batch} ctx={ctx} Q={q_len} {cfg}: FAILED {type(e).__name__}: "
+          f"{str(e)[:300]}")
+      return
+    tbs = kv_bytes(batch, ctx) / best / 1e12
+    log(f"sweep B={batch} ctx={ctx} Q={q_len} {cfg}: {best * 1e6:.1f} us, {tbs:.2f} TB/s")
+    results.append(dict(batch=batch, ctx=ctx, q_len=q_len, cfg=str(cfg), best_s=best,
+                        median_s=med, tbs=tbs))
+
+  for q_len in (1, 4):
+    run(q_len, default_block_config(batch, q_len, HQ, KVH, PAGE, ctx // PAGE, "gpu"))
+  for ppb, splits, stages in itertools.product((2, 4, 8), (1, 2, 4, 8), (2, 3)):
+    run(4, BlockConfig(pages_per_block=ppb, num_splits=splits, rows_per_block=16,
+                       num_warps=4, num_stages=stages))
+
+
 def kv_bytes(batch, ctx, layer=DEFAULT, itemsize=2):
   """K+V bytes attended (bf16: 2 a value, fp8: 1): the window's positions only, for a
   sliding layer."""
@@ -357,6 +381,8 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--sweep", action="store_true", help="also time a grid of block configs")
+  ap.add_argument("--sweep-shape", help="B,ctx: time Q=1 and Q=4 there, and Q=4 over a "
+                  "grid of kv blocks, splits and stages (only that)")
   ap.add_argument("--sweep-fp8", action="store_true",
                   help="time a grid of block configs over fp8 pages (only that)")
   ap.add_argument("--no-table", action="store_true",
@@ -467,6 +493,9 @@ def main():
     sweep(sweep_results, opts.reps, key)
   if opts.sweep_fp8:
     sweep(sweep_results, opts.reps, key, fp8=True)
+  if opts.sweep_shape:
+    batch, ctx = map(int, opts.sweep_shape.split(","))
+    sweep_shape(sweep_results, opts.reps, key, batch, ctx)
   if out_dir:
     with open(os.path.join(out_dir, "bench_paged_attention.md"), "w") as f:
       f.write(table + "\n")

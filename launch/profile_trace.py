@@ -11,6 +11,9 @@ their durations by kind (matmul, attention, KV write / scatter, copy, reduce, ot
 fusions, other), by kernel name, and over the span from the first kernel's start to the
 last one's end; the span minus the busy time is the device's idle time between kernels.
 On a machine without an accelerator plane (CPU) it says so and returns None.
+Tracing slows the host side (each dispatch records events), so the idle share of a traced
+region overstates the untraced one wherever the host is on the critical path: compare the
+kernel time with the same region timed untraced (bench_decode.py --profile does).
 """
 
 from __future__ import annotations
