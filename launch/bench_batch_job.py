@@ -1,7 +1,8 @@
 """A batch job end to end through the Engine: where the time goes (prefill vs decode).
 
   PYTHONPATH=. python launch/bench_batch_job.py [--requests 96] [--prompt-len 1024]
-      [--new-tokens 256] [--spread 0.75] [--max-batch 32] [--methods none,chain] [--k 3] [--shape mimo-7b]
+      [--new-tokens 256] [--spread 0.75] [--max-batch 32] [--methods none,chain] [--k 3]
+      [--shape mimo-7b]
       [--prefill-chunk 256] [--prefill-batch 1,8] [--max-tokens 4096] [--kv-pages N]
       [--pages on-demand,reserve] [--job-programs] [--profile] [--reps 2] [--tiny]
 

@@ -291,8 +291,9 @@ def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=
                                                                       unit="step"))
                 if table:  # tracing slows the host: idle against the untraced step instead
                     busy = table["busy_ns"] / steps / 1e6
+                    idle = 1 - busy * steps / 1e3 / best
                     log(f"  kernels {busy:.2f} ms per step against the untraced step "
-                        f"{best / steps * 1e3:.2f} ms: idle {100 * (1 - busy * steps / 1e3 / best):.1f} %")
+                        f"{best / steps * 1e3:.2f} ms: idle {100 * idle:.1f} %")
                 row[f"{mth}_profile"] = table
             del holder
         if not steps_only:

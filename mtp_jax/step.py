@@ -84,11 +84,12 @@ class DecodeState:
     accepted: jax.Array  # [B, K] int32  steps whose draft at depth d was accepted
     drafted: jax.Array  # [B, K] int32  steps that verified a draft at depth d
     out_tokens: jax.Array  # [B, T] int32  generated tokens
-    # prefill scratch, a row per request of the prefill batch being admitted (index O + p
-    # for position p, O = K+1; entries below O are never written, so window rows before
-    # position 0 read zeros)
-    prefill_tokens: jax.Array  # [R, S] int32  prompt tokens t_i at O + i
-    prefill_hidden: jax.Array  # [R, S, D]  target MTP hiddens H_p at O + p
+    # prefill scratch, a row per request of the prefill batch being admitted
+    prefill_tokens: jax.Array  # [R, S] int32  prompt tokens t_i at O + i (O = K+1; entries
+    #                            below O are never written)
+    prefill_hidden: jax.Array  # [R, S or L, D]  target MTP hiddens H_p at
+    #                            Static.hidden_slot(p): O + p, or a ring of the last L
+    #                            positions (Static.hidden_ring); positions < 0 read as zeros
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +137,23 @@ class Static:
     def scratch_len(self) -> int:
         return self.offset + self.eng.max_model_len + self.eng.prefill_chunk + self.spec.k + 1
 
+    @property
+    def hidden_ring(self) -> Optional[int]:
+        """Positions the hidden scratch keeps (a ring), or None for the whole prompt.
+        With the history in the target's programs, a chunk's hiddens are read only by that
+        chunk's program and the first draft window (the prompt's last K+1 positions): the
+        latest chunk + K + 1 positions are enough, instead of max_model_len. `window`
+        reads the whole prompt's after its target chunks."""
+        return self.eng.prefill_chunk + self.spec.k + 1 if self.history_in_target else None
+
+    @property
+    def hidden_len(self) -> int:
+        return self.hidden_ring or self.scratch_len
+
+    def hidden_slot(self, pos):
+        """Scratch index of prompt position(s) pos >= 0 in the hidden scratch."""
+        return pos % self.hidden_ring if self.hidden_ring else self.offset + pos
+
 
 def init_state(st: Static, hidden_dtype) -> DecodeState:
     cfg, eng, k = st.cfg, st.eng, st.k
@@ -154,7 +172,7 @@ def init_state(st: Static, hidden_dtype) -> DecodeState:
         block_tables=tuple(zi(b, st.layout.width) for _ in st.layout.groups),
         steps=zi(b), accepted=zi(b, k), drafted=zi(b, k), out_tokens=zi(b, eng.max_model_len),
         prefill_tokens=zi(st.prefill_rows, st.scratch_len),
-        prefill_hidden=jnp.zeros((st.prefill_rows, st.scratch_len, d), hidden_dtype))
+        prefill_hidden=jnp.zeros((st.prefill_rows, st.hidden_len, d), hidden_dtype))
 
 
 def _where(mask, new, old):
@@ -350,6 +368,17 @@ def _scratch_rows(scratch, start, size: int):
     return jax.vmap(lambda x, a: jax.lax.dynamic_slice_in_dim(x, a, size, 0))(rows, start)
 
 
+def _hidden_rows(s: Static, scratch, start, size: int):
+    """Per row r of a prefill batch, the hiddens of positions start[r] .. + size - 1
+    (zeros for positions < 0)."""
+    if not s.hidden_ring:
+        return _scratch_rows(scratch, s.offset + start, size)
+    pos = start[:, None] + jnp.arange(size)
+    rows = jnp.take_along_axis(scratch[: start.shape[0]], s.hidden_slot(
+        jnp.maximum(pos, 0))[..., None], axis=1)
+    return jnp.where((pos >= 0)[..., None], rows, jnp.zeros_like(rows))
+
+
 def prefill_target(model, s: Static, st: DecodeState, slots, start, valid, logits, chunk: int,
                    history_end=None):
     """Target over prompt positions start[r]..start[r]+chunk-1 of each row r of a prefill
@@ -370,7 +399,7 @@ def prefill_target(model, s: Static, st: DecodeState, slots, start, valid, logit
     logits = jnp.where((valid > 0)[:, None], model.target.head(last[:, 0]), logits)
     hid = model.target.mtp_hidden(normed, pre).astype(st.prefill_hidden.dtype)
     real = jnp.arange(chunk)[None] < valid[:, None]  # [r, chunk]
-    at = jnp.where(real, o + pos, st.prefill_hidden.shape[1])  # past the end: dropped
+    at = jnp.where(real, s.hidden_slot(pos), st.prefill_hidden.shape[1])  # past it: dropped
     scratch = st.prefill_hidden.at[jnp.arange(r)[:, None], at].set(hid, mode="drop")
     # A non-finite hidden anywhere in the prompt ends the request (its K/V are written
     # as zeros, so the last row's logits alone would not show it).
@@ -388,7 +417,7 @@ def prefill_mtp(model, s: Static, st: DecodeState, slots, start, history_end, ch
     >= history_end[r] (the first position of the row's final draft window) are dropped."""
     o, k = s.offset, s.k
     tokens_ext = _scratch_rows(st.prefill_tokens, o + start + 1, chunk + k)
-    hidden_ext = _scratch_rows(st.prefill_hidden, o + start, chunk + k)
+    hidden_ext = _hidden_rows(s, st.prefill_hidden, start, chunk + k)
     pos = start[:, None] + jnp.arange(chunk)
     kv = _rows_kv(s, st, slots, history_end)
     mtp_prefill(model, s.spec.method, k, kv, tokens_ext, hidden_ext, pos, start + chunk)
@@ -417,7 +446,7 @@ def prefill_finish(model, s: Static, st: DecodeState, slots, logits, prompt_len)
     if k:
         a = prompt_len - 1
         win_t = _scratch_rows(st.prefill_tokens, o + a - k + 1, k + 1).at[:, k].set(first)
-        win_h = _scratch_rows(st.prefill_hidden, o + a - k, k + 1)
+        win_h = _hidden_rows(s, st.prefill_hidden, a - k, k + 1)
         win_pos = a[:, None] - k + jnp.arange(k + 1)
         kv = _rows_kv(s, st, slots, at(st.limit))
         drafts, logp = draft(model, s.spec.method, k, kv, win_t, win_h, win_pos, sp,

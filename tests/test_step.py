@@ -119,6 +119,30 @@ def test_batched_prefill_lossless(models, prompts, references, method, k):
     assert eng.cache_sizes() == before
 
 
+def test_hidden_ring_matches_the_whole_prompt_scratch(prompts, monkeypatch):
+    """The hidden scratch keeps only the latest chunk + K + 1 positions of a row (a ring a
+    later request reuses): the same tokens, steps and acceptance per depth as an engine
+    that keeps every position, for prompts of 1..80 tokens (several chunks; shorter than
+    the K+1-position draft window, after long ones that filled the ring) in one row."""
+    from mtp_jax.step import Static
+
+    # MTP modules that lean on the hidden as much as on the token: a wrong hidden changes
+    # the drafts, and so the steps and acceptance
+    model = markov_model("deepseek_v3", target_noise=0.5, mtp_noise=1.0, seed=1)
+    eng = engine_for(model, "deepseek_v3", "chain", 3)
+    assert eng.static.hidden_ring == ENGINE.prefill_chunk + 4
+    assert eng.state.prefill_hidden.shape[1] == eng.static.hidden_ring
+    reqs = [Request(i, p, SamplingParams(max_tokens=12)) for i, p in enumerate(
+        [prompts[5], [7, 3], prompts[4], [9], prompts[3], [4, 4, 1]])]
+    got = eng.generate(reqs)
+    monkeypatch.setattr(Static, "hidden_ring", property(lambda self: None))
+    whole = Engine(model, SpecConfig("chain", num_speculative_tokens=3), ENGINE)
+    assert whole.state.prefill_hidden.shape[1] == whole.static.scratch_len
+    want = whole.generate(reqs)
+    assert [(r.token_ids, r.num_steps, r.accepted_per_depth) for r in got] == [
+        (r.token_ids, r.num_steps, r.accepted_per_depth) for r in want]
+
+
 def test_prefill_programs_skip_chunks_bound_by_weight_reads(models):
     """A forward of r rows runs chunks of at least 256 / r tokens (shorter ones would cost
     as much): 14 prefill programs for 8 rows and chunks 16..256, not 20. Nothing compiles
