@@ -380,7 +380,7 @@ def _hidden_rows(s: Static, scratch, start, size: int):
 
 
 def prefill_target(model, s: Static, st: DecodeState, slots, start, valid, logits, chunk: int,
-                   history_end=None):
+                   history_end):
     """Target over prompt positions start[r]..start[r]+chunk-1 of each row r of a prefill
     batch (slots [r], scratch rows 0..r-1; the first valid[r] positions are real, a row
     with valid 0 writes nothing).

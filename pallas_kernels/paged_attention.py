@@ -123,8 +123,8 @@ def default_block_config(batch, q_len, num_q_heads, num_kv_heads, page_size, max
   GPU: 128 kv positions per block, 4 warps, 2 stages (on an H200 at B=64, 4k context,
   64-128 positions and 2-4 stages all came within 2 % of the best), and enough KV splits
   that the grid covers about two waves of the SMs (the small-batch, long-context case).
-  Prefill chunks (at least 128 packed query rows): 128-row tiles over 64 kv positions,
-  4 warps, no split: the grid has programs enough, and the tile's dots are large.
+  Prefill chunks (at least 32 query tokens and 128 packed rows): 128-row tiles over 64 kv
+  positions, 4 warps, no split: the grid has programs enough, and the tile's dots are large.
   TPU: ~512 kv positions per block (untuned: no TPU was available).
   """
   rows = q_len * (num_q_heads // num_kv_heads)
@@ -132,8 +132,9 @@ def default_block_config(batch, q_len, num_q_heads, num_kv_heads, page_size, max
     return BlockConfig(
         pages_per_block=min(max(1, 512 // page_size), next_pow2(max_pages)),
         rows_per_block=min(max(next_pow2(rows), 16), 128))
-  if rows >= 128:
-    # A prefill chunk (rows = chunk x G): 128-row tiles over 64 kv positions, 4 warps.
+  if q_len >= 32 and rows >= 128:
+    # A prefill chunk (rows = chunk x G; a verify's K + 1 rows never get here, so a large
+    # group keeps decode's KV splits): 128-row tiles over 64 kv positions, 4 warps.
     # H100, 8 x 256-token chunks, Hq 32 / KVH 8, D 128, bf16, the chunk ending at 1k / 4k
     # positions: 149 / 229 TFLOP/s against 96 / 122 with the decode tiling below
     # (launch/bench_prefill_attention.py, docs/BENCHMARKS.md).
