@@ -725,8 +725,14 @@ def load_hf(path: str, *, dtype=None, config: Optional[ModelConfig] = None,
     _, state = nnx.split(abstract)
     want = {tuple(p): v.get_value() for p, v in state.flat_state()}
     keep = bool(scale_of) and keep_quantized(cfg.quantization, dequantize)
-    flat, nonfinite = {}, []
+    flat, nonfinite, inflight = {}, [], []
     for e in entries:
+        # device_put is asynchronous and holds its host array until the copy is done: at
+        # most one parameter's copy runs behind this read, else a disk faster than the
+        # copies would pile up host arrays (host memory stays near one parameter)
+        while len(inflight) > 1:
+            jax.block_until_ready(flat[inflight.pop(0)])
+        inflight.append(e.path)
         raw = [read_tensor(found[name][0], found[name][1:]) for name in e.names]
         if keep and e.path in axes and all(nm in scale_of for nm in e.names):
             scales = [BlockScaled(a, read_tensor(scale_of[nm][0], scale_of[nm][1:]),
