@@ -163,15 +163,9 @@ def requests(cfg: ModelConfig, args, prompts) -> list:
 
 def job_chunks(eng: Engine, prompt_len: int) -> set:
     """The prefill chunk lengths a job of prompt_len-token prompts runs (target and MTP
-    history chunks, any row count)."""
-    out = set()
-    for r in eng.row_buckets():
-        for end in (prompt_len, prompt_len - 1 - eng.spec.k):
-            while end > 0:
-                c = eng._chunk(r, end)
-                out.add(c)
-                end -= c
-    return out
+    history chunks, any row count): the engine's own chunk plan."""
+    return {c for r in eng.row_buckets() for end in (prompt_len, prompt_len - 1 - eng.spec.k)
+            for c, _, _ in eng.chunks(np.full((r,), end, np.int32))}
 
 
 def run_job(model, method, k, rows, rule, args, prompts):

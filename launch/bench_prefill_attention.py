@@ -7,8 +7,9 @@ bundled flash attention, all in one run.
 The engine's prefill attention: `rows` prompts, a chunk of `chunk` query tokens each, the
 chunk's keys already written, kv_len = the chunk's end (the last chunk of a kv_len-token
 prompt), bf16, Hq=32, KVH=8, D=128 (the MiMo-7B shape), page 16, pages in a random
-permutation of the pool. FLOPs count the causal work only: query i of a chunk sees
-kv_len - chunk + i + 1 keys, 2 x D multiply-adds each for q . k and for p . v.
+permutation of the pool (inputs and timing: launch/bench_paged_attention.py's helpers).
+FLOPs count the causal work only: query i of a chunk sees kv_len - chunk + i + 1 keys,
+2 x D multiply-adds each for q . k and for p . v.
 Timed: `paged_attention` with the default tiling and every tiling of a small grid
 (query rows per tile, kv positions per block, warps, stages), the XLA reference
 (`paged_attention_reference`, which gathers the pages), and JAX's bundled Pallas GPU flash
@@ -28,43 +29,22 @@ import itertools
 import json
 import os
 import sys
-import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pallas_kernels.paged_attention import (BlockConfig, default_block_config,  # noqa: E402
-                                            paged_attention, paged_attention_reference)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_paged_attention import (D, HQ, KVH, PAGE, log, make_inputs, ours,  # noqa: E402
+                                   reference, time_per_call)
 
-HQ, KVH, D, PAGE = 32, 8, 128, 16
-
-
-def log(*a):
-    print(*a, flush=True)
+from pallas_kernels.paged_attention import BlockConfig, default_block_config  # noqa: E402
 
 
 def causal_flops(rows, chunk, kv_len, heads=HQ, d=D):
     seen = sum(kv_len - chunk + i + 1 for i in range(chunk))
     return rows * heads * seen * 2 * d * 2
-
-
-def timed(fn, q, reps, n):
-    """Best seconds per call of fn(q) -> q-shaped output, n calls per jitted loop."""
-    @jax.jit
-    def loop(q):
-        return jax.lax.fori_loop(0, n, lambda i, x: fn(x).astype(x.dtype), q)
-
-    jax.block_until_ready(loop(q))
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(loop(q))
-        best = min(best, (time.perf_counter() - t0) / n)
-    return best
 
 
 def main(argv=None):
@@ -81,63 +61,43 @@ def main(argv=None):
     n = 1 if tiny else 10
     dev = jax.devices()[0]
     log(f"device {dev.device_kind}, jax {jax.__version__}")
-    backend = "gpu"
-    rng = np.random.default_rng(0)
     results = []
     for kv_len in kv_lens:
-        pages_per_seq = -(-kv_len // PAGE)
-        num_pages = rows * pages_per_seq + 1
-        key = jax.random.PRNGKey(kv_len)
-        k1, k2, k3 = jax.random.split(key, 3)
-        dt = jnp.bfloat16
-        k_pages = jax.random.normal(k1, (KVH, num_pages, PAGE, D), dt)
-        v_pages = jax.random.normal(k2, (KVH, num_pages, PAGE, D), dt)
-        q = jax.random.normal(k3, (rows, chunk, HQ, D), dt)
-        tables = jnp.asarray(1 + rng.permutation(rows * pages_per_seq).reshape(
-            rows, pages_per_seq), jnp.int32)
-        lens = jnp.full((rows,), kv_len, jnp.int32)
+        inputs = make_inputs(rows, kv_len, chunk, jax.random.key(kv_len))
+        q, k_pages, v_pages, tables, _ = inputs
         flops = causal_flops(rows, chunk, kv_len)
         row = {"rows": rows, "chunk": chunk, "kv_len": kv_len, "causal_flops": flops,
                "ours": {}}
-
-        def ours(cfg):
-            return lambda x: paged_attention(x, k_pages, v_pages, tables, lens,
-                                             backend=backend, interpret=tiny,
-                                             block_config=cfg)
-
-        want = paged_attention_reference(q, k_pages, v_pages, tables, lens)
-        default = default_block_config(rows, chunk, HQ, KVH, PAGE, pages_per_seq, backend)
+        want = reference(*inputs).astype(jnp.float32)
+        default = default_block_config(rows, chunk, HQ, KVH, PAGE, kv_len // PAGE, "gpu")
         configs = [default] + [
             BlockConfig(pages_per_block=ppb, rows_per_block=rpb, num_warps=w, num_stages=st)
             for rpb, ppb, w, st in itertools.product((64, 128), (4, 8), (4, 8), (2, 3))]
         for cfg in (configs[:2] if tiny else configs):
-            name = (f"rows {cfg.rows_per_block} x kv {cfg.pages_per_block * PAGE}, "
-                    f"{cfg.num_warps} warps, {cfg.num_stages} stages, {cfg.num_splits} splits")
+            tag = "default" if cfg is default else (
+                f"rows {cfg.rows_per_block} x kv {cfg.pages_per_block * PAGE}, "
+                f"{cfg.num_warps} warps, {cfg.num_stages} stages, {cfg.num_splits} splits")
+            fn = ours(cfg, interpret=tiny)
             try:
-                err = float(jnp.max(jnp.abs(ours(cfg)(q).astype(jnp.float32)
-                                            - want.astype(jnp.float32))))
-                s = timed(ours(cfg), q, args.reps, n)
+                err = float(jnp.max(jnp.abs(fn(*inputs).astype(jnp.float32) - want)))
+                _, s, _ = time_per_call(fn, inputs, n, args.reps)
             except Exception as e:  # a tiling the compiler refuses (e.g. shared memory)
-                log(f"  kv {kv_len}: {name}: failed: {type(e).__name__}: {str(e)[:120]}")
+                log(f"  kv {kv_len}: {tag}: failed: {type(e).__name__}: {str(e)[:120]}")
                 continue
-            tag = "default" if cfg is default else name
-            row["ours"][tag if cfg is default else name] = {
-                "seconds": s, "tflop_per_s": flops / s / 1e12, "max_err": err}
+            row["ours"][tag] = {"seconds": s, "tflop_per_s": flops / s / 1e12, "max_err": err}
             log(f"  kv {kv_len}: ours {tag}: {s * 1e3:.3f} ms, {flops / s / 1e12:.0f} "
                 f"TFLOP/s, max err {err:.3g}")
-        s = timed(lambda x: paged_attention_reference(x, k_pages, v_pages, tables, lens), q,
-                  args.reps, n)
+        _, s, _ = time_per_call(reference, inputs, n, args.reps)
         row["xla_reference"] = {"seconds": s, "tflop_per_s": flops / s / 1e12}
         log(f"  kv {kv_len}: XLA reference: {s * 1e3:.3f} ms, {flops / s / 1e12:.0f} TFLOP/s")
         if not tiny:
             try:
                 from jax.experimental.pallas.ops.gpu import attention as bundled
-                kc = jnp.repeat(k_pages[:, tables].reshape(KVH, rows, kv_len, D)
-                                .transpose(1, 2, 0, 3), HQ // KVH, axis=2)
-                vc = jnp.repeat(v_pages[:, tables].reshape(KVH, rows, kv_len, D)
-                                .transpose(1, 2, 0, 3), HQ // KVH, axis=2)
-                fn = functools.partial(bundled.mha, segment_ids=None, causal=False)
-                s = timed(lambda x: fn(x, kc, vc), q, args.reps, n)
+                kc, vc = (jnp.repeat(x[:, tables].reshape(KVH, rows, kv_len, D)
+                                     .transpose(1, 2, 0, 3), HQ // KVH, axis=2)
+                          for x in (k_pages, v_pages))
+                mha = functools.partial(bundled.mha, segment_ids=None, causal=False)
+                _, s, _ = time_per_call(mha, (q, kc, vc), n, args.reps)
                 full = rows * HQ * chunk * kv_len * 2 * D * 2
                 row["bundled_mha_noncausal"] = {"seconds": s, "tflop_per_s": full / s / 1e12}
                 log(f"  kv {kv_len}: bundled mha (non-causal, full square): {s * 1e3:.3f} "

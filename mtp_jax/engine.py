@@ -231,7 +231,7 @@ class Engine:
             zero = np.zeros((r,), np.int32)
             logits = jnp.zeros((r, self.model.config.vocab_size), jnp.float32)
             st, logits = self.progs.prefill_target(c)(p, st, slots, zero, zero, logits, zero)
-            if self.spec.k and not self.static.history_in_target:
+            if self.static.history_apart:
                 st = self.progs.prefill_mtp(c)(p, st, slots, zero, zero)
             if c == self.buckets()[-1]:
                 st = self.progs.prefill_finish(p, st, slots, logits, zero)
@@ -282,8 +282,8 @@ class Engine:
         out = {n: getattr(self.progs, n)._cache_size()
                for n in ("admit", "release", "prefill_finish", "grow")}  # finish: per row count
         out["run_steps"] = sum(self.progs.steps(k)._cache_size() for k in self.static.kinds)
-        separate = self.spec.k and not self.static.history_in_target
-        for n in ("prefill_target", "prefill_mtp") if separate else ("prefill_target",):
+        apart = self.static.history_apart
+        for n in ("prefill_target", "prefill_mtp") if apart else ("prefill_target",):
             fns = [getattr(self.progs, n)(c) for c in self.buckets()]
             out[n] = sum(f._cache_size() for f in fns)  # per chunk length and row count
         return out
@@ -376,23 +376,25 @@ class Engine:
         s, p = self.static, self.model.params
         st = self.state
         logits = jnp.zeros((len(slots), self.model.config.vocab_size), jnp.float32)
-
-        def chunks(end):  # (chunk length, starts, valid lengths) until every row is done
-            start = np.zeros_like(end)
-            while (start < end).any():
-                c = self._chunk(len(slots), int((end - start).max()))
-                valid = np.clip(end - start, 0, c).astype(np.int32)
-                yield c, start, valid
-                start = start + valid
-
         history_end = (prompt_len - 1 - s.k).astype(np.int32)  # final windows start here
-        for c, start, valid in chunks(prompt_len):
+        for c, start, valid in self.chunks(prompt_len):
             st, logits = self.progs.prefill_target(c)(p, st, slots, start, valid, logits,
                                                       history_end)
-        if s.k and not s.history_in_target:
-            for c, start, _ in chunks(history_end):
+        if s.history_apart:
+            for c, start, _ in self.chunks(history_end):
                 st = self.progs.prefill_mtp(c)(p, st, slots, start, history_end)
         self.state = self.progs.prefill_finish(p, st, slots, logits, prompt_len)
+
+    def chunks(self, end: np.ndarray):
+        """(chunk length, starts, valid lengths) of each prefill forward over rows whose
+        prompts end at `end` [r], until every row is done: chunk lengths follow the
+        longest remainder."""
+        start = np.zeros_like(end)
+        while (start < end).any():
+            c = self._chunk(len(end), int((end - start).max()))
+            valid = np.clip(end - start, 0, c).astype(np.int32)
+            yield c, start, valid
+            start = start + valid
 
     def _thinking(self, prompt) -> bool:
         """Whether the prompt leaves the request inside a thinking phase."""

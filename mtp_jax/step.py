@@ -129,6 +129,11 @@ class Static:
         return self.k > 0 and self.spec.method != "window"
 
     @property
+    def history_apart(self) -> bool:
+        """The MTP history prefill runs as programs of its own (`prefill_mtp`)."""
+        return self.k > 0 and not self.history_in_target
+
+    @property
     def prefill_rows(self) -> int:
         """Requests one prefill forward carries (the scratch's rows)."""
         return self.eng.prefill_batch or 1

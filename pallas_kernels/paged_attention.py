@@ -132,19 +132,18 @@ def default_block_config(batch, q_len, num_q_heads, num_kv_heads, page_size, max
     return BlockConfig(
         pages_per_block=min(max(1, 512 // page_size), next_pow2(max_pages)),
         rows_per_block=min(max(next_pow2(rows), 16), 128))
-  if q_len >= 32 and rows >= 128:
-    # A prefill chunk (rows = chunk x G; a verify's K + 1 rows never get here, so a large
-    # group keeps decode's KV splits): 128-row tiles over 64 kv positions, 4 warps.
-    # H100, 8 x 256-token chunks, Hq 32 / KVH 8, D 128, bf16, the chunk ending at 1k / 4k
-    # positions: 149 / 229 TFLOP/s against 96 / 122 with the decode tiling below
-    # (launch/bench_prefill_attention.py, docs/BENCHMARKS.md).
-    pages_per_block = min(max(1, 64 // page_size), next_pow2(max_pages))
-    pages_per_block = max(pages_per_block, next_pow2(-(-16 // page_size)))  # block_k >= 16
+  # A prefill chunk (rows = chunk x G; a verify's K + 1 rows never qualify, so a large
+  # group keeps decode's KV splits): 128-row tiles over 64 kv positions, 4 warps. H100,
+  # 8 x 256-token chunks, Hq 32 / KVH 8, D 128, bf16, the chunk ending at 1k / 4k
+  # positions: 149 / 229 TFLOP/s against 96 / 122 with the decode tiling below
+  # (launch/bench_prefill_attention.py, docs/BENCHMARKS.md).
+  prefill = q_len >= 32 and rows >= 128
+  pages_per_block = min(max(1, (64 if prefill else 128) // page_size), next_pow2(max_pages))
+  pages_per_block = max(pages_per_block, next_pow2(-(-16 // page_size)))  # block_k >= 16
+  if prefill:
     return BlockConfig(pages_per_block=pages_per_block, num_splits=1, rows_per_block=128,
                        num_warps=4, num_stages=2)
   rows_per_block = min(max(next_pow2(rows), 16), 64)
-  pages_per_block = min(max(1, 128 // page_size), next_pow2(max_pages))
-  pages_per_block = max(pages_per_block, next_pow2(-(-16 // page_size)))  # block_k >= 16
   programs = batch * num_kv_heads * -(-rows // rows_per_block)
   if num_cores is None:
     num_cores = getattr(jax.devices()[0], "core_count", None) or 132
