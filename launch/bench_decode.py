@@ -286,7 +286,7 @@ def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=
                 folder = tempfile.mkdtemp(prefix=f"trace_{mth}_")
                 with profile_trace.traced(folder):
                     run()
-                table = profile_trace.breakdown(folder)
+                table = profile_trace.breakdown(folder, top=None)  # JSON keeps every kernel
                 log(f"{mth} B={b} ctx={ctx}: " + profile_trace.render(table, per=steps,
                                                                       unit="step"))
                 if table:  # tracing slows the host: idle against the untraced step instead

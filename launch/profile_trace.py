@@ -60,9 +60,10 @@ def _stat(event, key: str) -> str:
     return ""
 
 
-def breakdown(folder: str) -> Optional[dict]:
+def breakdown(folder: str, top: Optional[int] = 15) -> Optional[dict]:
     """{'span_ns', 'busy_ns', 'kernels', 'kinds': {kind: [ns, count]}, 'top': [(name, op,
-    kind, ns, count)]} for the newest trace under `folder`, or None without a device plane."""
+    kind, ns, count)]} for the newest trace under `folder`, or None without a device plane.
+    `top` kernels by time are kept (None: every kernel)."""
     from jax.profiler import ProfileData
 
     files = glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True)
@@ -87,7 +88,7 @@ def breakdown(folder: str) -> Optional[dict]:
             kind = kind_of(e.name, op)
             kinds[kind][0] += e.duration_ns
             kinds[kind][1] += 1
-            key = (e.name[:80], op[:60], kind)
+            key = (e.name[:80], op[:80], kind)
             per_kernel[key][0] += e.duration_ns
             per_kernel[key][1] += 1
             start = min(start, e.start_ns)
@@ -105,12 +106,12 @@ def breakdown(folder: str) -> Optional[dict]:
                             host[e.name[12:-1]][1] += 1
     if not n:
         return None
-    top = sorted(((*k, v[0], v[1]) for k, v in per_kernel.items()), key=lambda x: -x[3])
+    ranked = sorted(((*k, v[0], v[1]) for k, v in per_kernel.items()), key=lambda x: -x[3])
     return {"plane": plane.name, "lines": lines, "span_ns": end - start, "busy_ns": busy,
             "kernels": n, "host_calls": sorted(([k, *v] for k, v in host.items()),
                                                key=lambda x: -x[1]),
             "kinds": {k: list(v) for k, v in sorted(kinds.items(), key=lambda x: -x[1][0])},
-            "top": top[:15]}
+            "top": ranked[:top]}
 
 
 def render(table: Optional[dict], per: int = 1, unit: str = "forward") -> str:
@@ -131,7 +132,7 @@ def render(table: Optional[dict], per: int = 1, unit: str = "forward") -> str:
                      "(" + ", ".join(f"{name} x{count / per:.0f} {ms(ns):.2f} ms"
                                      for name, ns, count in calls[:8]) + ")")
     lines.append("  top kernels:")
-    for name, op, kind, ns, count in table["top"]:
+    for name, op, kind, ns, count in table["top"][:15]:
         lines.append(f"    {ms(ns):7.2f} ms  x{count / per:<5.0f} {kind:18s} {name}"
                      + (f"  [{op}]" if op else ""))
     return "\n".join(lines)

@@ -28,6 +28,13 @@ MiMo's 151680-token vocabulary (16 % slower). Those figures predate two default 
 (128-wide N blocks for MiMo's 4096x6144 QKV, which ran with 64-wide ones at 1.06x the
 bf16 time; 4 pipeline stages, 4-5 % faster in a sweep).
 
+At one row the default is a CUDA-core kernel (no 16-row tensor-core tile): H100, bf16 x,
+int8 per channel, same bench, against the 16-row tiling: MiMo / Llama gate+up 44-46 vs
+48.6 us, MiMo QKV 15.5 vs 17.8, MiMo lm_head 256 vs 268, o_proj and down level; the
+MiMo-7B int8 decode step at batch 1 went from 4.62 to 4.41 ms. int8 still streams at
+only 45-81 % of the copy bandwidth (timing loop included) where XLA's bf16 GEMV reaches
+69-98 % (docs/BENCHMARKS.md).
+
 Backends (`quant_matmul(backend=...)`, else $MTP_JAX_QMATMUL_BACKEND, else the platform):
   gpu         Pallas Triton kernel, grid over N blocks and K splits (quant_matmul_gpu.py)
   tpu         Mosaic TPU kernel, K innermost into an f32 VMEM accumulator
@@ -58,8 +65,9 @@ VALUE_DTYPES = (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
 class BlockConfig:
   """Tiling of one quantized-matmul call.
 
-  block_m:    rows of x per program / grid step (GPU: power of two >= 16, the smallest
-              Triton dot; rows past M repeat row M - 1. TPU: multiple of 8; x is padded).
+  block_m:    rows of x per program / grid step (GPU: a power of two >= 16, the smallest
+              Triton dot, or 1..8 rows on CUDA cores without a dot; rows past M repeat
+              row M - 1. TPU: multiple of 8; x is padded).
   block_n:    output columns per program / grid step.
   block_k:    contraction chunk per loop / grid step; it divides K // S or (TPU only) is
               a multiple of it, so no chunk straddles a scale block.
@@ -83,7 +91,8 @@ class BlockConfig:
 def default_block_config(m, k, n, s, backend, num_cores=None) -> BlockConfig:
   """Block sizes for x [m, k] @ values [k, n] with s scale rows.
 
-  GPU: block_m the rows as a power of two in 16..64; block_k up to 128 dividing K // S;
+  GPU, one row (M = 1): `_gemv_block_config`, on CUDA cores. More rows: block_m the rows
+  as a power of two in 16..64; block_k up to 128 dividing K // S;
   block_n 128 (128 one-byte columns: one cache line per weight row). K splits raise the
   program count P to fill whole waves of num_cores programs (default: the device's SM
   count, else 132): the split count maximises P / (num_cores * ceil(P / num_cores)), the
@@ -92,9 +101,9 @@ def default_block_config(m, k, n, s, backend, num_cores=None) -> BlockConfig:
   bytes. block_n narrows to 64 or 32 only where 128-wide blocks with their splits would
   leave more than half the SMs idle (M = 64, where partial sums cost too much): on an
   H100 at M = 1, 64-wide blocks streamed 25-30 % slower than 128-wide ones with the
-  same splits. A batch-1 GEMV at N=4096 thus runs 32 N blocks x 4 splits = 128
-  programs on 132 SMs (without splits it took twice as long). num_stages 4 at
-  block_m 16 (4-5 % faster than 3 at M = 1), else 3.
+  same splits. At 16 rows and N=4096 that is 32 N blocks x 4 splits = 128 programs on
+  132 SMs (measured at M = 1 before the CUDA-core path: without splits it took twice as
+  long). num_stages 4 at block_m 16 (4-5 % faster than 3 at M = 1), else 3.
   TPU: all rows in one block (up to 256, padded to 16); block_n 512/256/128 dividing N;
   block_k the largest of 2048..128 that divides K and divides or is a multiple of K // S
   (whole K up to 2048). Untuned: no TPU was available.
@@ -109,6 +118,8 @@ def default_block_config(m, k, n, s, backend, num_cores=None) -> BlockConfig:
     return BlockConfig(block_m=block_m, block_n=block_n, block_k=block_k)
   if num_cores is None:
     num_cores = getattr(jax.devices()[0], "core_count", None) or 132
+  if m == 1:
+    return _gemv_block_config(k, n, bk, num_cores)
   block_m = min(64, max(16, next_pow2(m)))
   block_k = first_divisor(bk, (128, 64, 32)) or 16
   m_blocks = -(-max(m, 1) // block_m)
@@ -125,6 +136,29 @@ def default_block_config(m, k, n, s, backend, num_cores=None) -> BlockConfig:
       break
   return BlockConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_splits=splits,
                      num_stages=4 if block_m == 16 else 3)
+
+
+def _gemv_block_config(k, n, bk, num_cores) -> BlockConfig:
+  """One row on CUDA cores (GPU): 8 KB weight chunks (256 columns x 32 rows, or 128 x 64
+  where 256 does not divide N), 8 warps, 4 stages, and K splits of at most 512 rows each,
+  raised until the grid holds three waves of programs. H100, M = 1, bf16 x, int8 per
+  channel (launch/bench_quant_matmul.py): against the 16-row tensor-core tiling, Llama /
+  MiMo gate+up 44-46 vs 48.6 us, MiMo QKV 15.5 vs 17.8, MiMo lm_head 256 vs 268, o_proj
+  and down level (12.7 / 24.6 us)."""
+  for block_n in (256, 128, 64, 32, 16):
+    block_k = 8192 // block_n
+    if n % block_n == 0 and bk % block_k == 0:
+      break
+  else:
+    block_n = first_divisor(n, (256, 128, 64, 32)) or 16
+    block_k = first_divisor(bk, (128, 64, 32)) or 16
+  chunks = k // block_k
+  n_blocks = n // block_n
+  splits = -(-k // 512)
+  splits = max(splits, -(-3 * num_cores // n_blocks))
+  splits = max(1, min(splits, chunks // 2 or 1, 64))
+  return BlockConfig(block_m=1, block_n=block_n, block_k=block_k, num_splits=splits,
+                     num_warps=8, num_stages=4)
 
 
 def fits(m, k, n, s, backend) -> bool:

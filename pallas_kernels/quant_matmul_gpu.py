@@ -10,6 +10,10 @@ divides the scale block K // S, so a chunk lies in one scale block: with S > 1 e
 chunk's partial product is multiplied by its block's scale row before it is added; with
 S == 1 the scale multiplies the sum once at the end.
 
+With block_m of 8 or fewer (the default at M = 1) `_gemv_kernel` runs instead: the same
+grid and chunks, but products summed on CUDA cores in f32, with no 16-row tensor-core tile
+and no operand layout change for the dot.
+
 Rows: a Triton dot needs at least 16 rows, and decode has M = 1..64. A program indexes
 x with row ids clamped to M - 1 and stores its result through the same ids, so rows past
 M recompute row M - 1 and write its own value to it again: no padded copy of x, and an
@@ -27,6 +31,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+
+GEMV_MAX_ROWS = 8  # block_m up to this runs on CUDA cores (_gemv_kernel)
 
 
 def _kernel(x_ref, v_ref, s_ref, o_ref, *, block_m, block_k, group_chunks, num_k,
@@ -58,14 +64,51 @@ def _kernel(x_ref, v_ref, s_ref, o_ref, *, block_m, block_k, group_chunks, num_k
   o_ref[rows, :] = acc.astype(o_ref.dtype)
 
 
+def _gemv_kernel(x_ref, v_ref, s_ref, o_ref, *, block_m, block_k, group_chunks, num_k,
+                 num_splits):
+  """block_m <= GEMV_MAX_ROWS rows on CUDA cores: no tensor-core tile, so no 16-row
+  padding and no operand layout change. One row keeps a [block_k, block_n] f32
+  accumulator of products and reduces it over K once, after the loop; a few rows reduce
+  each chunk's products over K as they go."""
+  i, split = pl.program_id(0), pl.program_id(2)
+  m = x_ref.shape[0]
+  block_n = o_ref.shape[-1]
+  per_split = -(-num_k // num_splits)
+  begin = split * per_split
+  end = jnp.minimum(begin + per_split, num_k)
+  rows = jnp.minimum(i * block_m + jnp.arange(block_m, dtype=jnp.int32), m - 1)
+  per_chunk_scale = s_ref.shape[0] > 1
+
+  def body(c, acc):
+    k0 = pl.multiple_of(c * block_k, block_k)
+    w = v_ref[pl.ds(k0, block_k), :].astype(jnp.float32)       # 1 byte read, exact
+    if per_chunk_scale:
+      w = w * s_ref[c // group_chunks, :][None, :]
+    xb = x_ref[rows, pl.ds(k0, block_k)].astype(jnp.float32)   # [block_m, block_k]
+    if block_m == 1:
+      return acc + xb[0][:, None] * w
+    return acc + jnp.sum(xb[:, :, None] * w[None, :, :], axis=1)
+
+  shape = (block_k, block_n) if block_m == 1 else (block_m, block_n)
+  acc = lax.fori_loop(begin, end, body, jnp.zeros(shape, jnp.float32))
+  if block_m == 1:
+    acc = jnp.sum(acc, axis=0)[None, :]
+  if not per_chunk_scale:
+    acc = acc * s_ref[0, :][None, :]
+  o_ref[rows, :] = acc.astype(o_ref.dtype)
+
+
 def check_blocks(k, n, s, block):
   """ValueError naming the dimension when `block` cannot tile K, N with S scale rows."""
   bk = k // s
   bm, bn, chunk = block.block_m, block.block_n, block.block_k
-  for name, v in (("block_m", bm), ("block_n", bn), ("block_k", chunk)):
+  if bm & (bm - 1) or bm > GEMV_MAX_ROWS and bm < 16:
+    raise ValueError(f"GPU quant_matmul needs a power-of-two block_m: 1..{GEMV_MAX_ROWS} "
+                     f"(rows on CUDA cores) or >= 16 (Triton tensor-core tiles), got {bm}.")
+  for name, v in (("block_n", bn), ("block_k", chunk)):
     if v < 16 or v & (v - 1):
       raise ValueError(f"GPU quant_matmul needs a power-of-two {name} >= 16 (Triton "
-                       f"tensor-core tiles), got {v}.")
+                       f"tiles), got {v}.")
   if n % bn:
     raise ValueError(f"GPU quant_matmul needs N={n} to be a multiple of block_n={bn}; "
                      "pick a smaller power-of-two block (partial blocks are not masked).")
@@ -84,8 +127,9 @@ def quant_matmul_gpu(x, values, scale, *, block, interpret):
   num_k = k // chunk
   splits = min(block.num_splits, num_k)
   grid = (pl.cdiv(m, bm), n // bn, splits)
-  kernel = functools.partial(_kernel, block_m=bm, block_k=chunk, group_chunks=bk // chunk,
-                             num_k=num_k, num_splits=splits)
+  kernel = functools.partial(_gemv_kernel if bm < 16 else _kernel, block_m=bm,
+                             block_k=chunk, group_chunks=bk // chunk, num_k=num_k,
+                             num_splits=splits)
   in_specs = [
       pl.BlockSpec((m, k), lambda i, j, sp: (0, 0)),
       pl.BlockSpec((k, bn), lambda i, j, sp: (0, j)),

@@ -96,8 +96,14 @@ def test_reference_matches_numpy(kind, dtype, m):
 
 
 CASES = {c.name: c for c in [
-    # Batch-1 GEMV, default blocks (K splits fill the cores).
+    # Batch-1 GEMV, default blocks: one row on CUDA cores, K splits fill the cores.
     Case("int8_channel_m1", 1),
+    # Rows on CUDA cores: 4 per program over 3 rows (the last repeats row 2), three
+    # uneven K splits; two rows per program under two scale blocks of two chunks each.
+    Case("int8_gemv_rows4_m3_bf16", 3, k=128, n=128, dtype=jnp.bfloat16,
+         overrides=(("block_m", 4), ("block_n", 32), ("block_k", 16), ("num_splits", 3))),
+    Case("fp8_block32_gemv_rows2_m2", 2, scale_rows=2, values=jnp.float8_e4m3fn,
+         overrides=(("block_m", 2), ("block_k", 16))),
     # Three M blocks of 16, narrow N blocks, three K splits of which the last is empty.
     Case("int8_channel_m33_bf16", 33, k=128, n=128, dtype=jnp.bfloat16,
          overrides=(("block_m", 16), ("block_n", 32), ("block_k", 32), ("num_splits", 3))),
@@ -172,11 +178,12 @@ class TestQuantMatmulTPUInterpret(TestQuantMatmulTPU):
   interpret = True
 
 
+@pytest.mark.parametrize("m", [1, 4], ids=["gemv", "dot"])
 @pytest.mark.parametrize("values", [jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2],
                          ids=["int8", "e4m3", "e5m2"])
-def test_gpu_kernel_lowers_to_triton(values):
+def test_gpu_kernel_lowers_to_triton(values, m):
   """The Triton lowering (converts included) runs on any host, no GPU needed."""
-  m, k, n, s = 1, 4096, 4096, 32
+  k, n, s = 4096, 4096, 32
   from pallas_kernels.quant_matmul_gpu import quant_matmul_gpu
   block = default_block_config(m, k, n, s, "gpu", num_cores=132)
   args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), values),
@@ -203,8 +210,13 @@ def test_default_configs_fit_7b_shapes():
       for m in (1, 4, 16, 64, 200):
         g = default_block_config(m, k, n, s, "gpu", num_cores=132)
         assert n % g.block_n == 0 and (k // s) % g.block_k == 0
-        assert all(v >= 16 and v & (v - 1) == 0 for v in (g.block_m, g.block_n, g.block_k))
+        assert all(v >= 16 and v & (v - 1) == 0 for v in (g.block_n, g.block_k))
         programs = -(-m // g.block_m) * (n // g.block_n) * g.num_splits
+        if m == 1:                                            # one row on CUDA cores
+          assert g.block_m == 1 and g.block_n * g.block_k == 8192, (k, n, s, g)
+          assert programs >= 3 * 132 and k // g.num_splits <= 512 or g.num_splits == 64
+          continue
+        assert g.block_m >= 16 and g.block_m & (g.block_m - 1) == 0
         assert programs >= 66 or m > 64, (k, n, s, m, g)     # at most half the SMs idle
         if m <= 16:                                           # 128-wide blocks stream best
           assert g.block_n == 128 and g.num_stages == 4, (k, n, s, m, g)
@@ -212,8 +224,11 @@ def test_default_configs_fit_7b_shapes():
         assert t.block_m % 8 == 0 and n % t.block_n == 0 and k % t.block_k == 0
         assert t.block_n % 128 == 0 and t.block_k % 128 == 0
         assert (k // s) % t.block_k == 0 or t.block_k % (k // s) == 0
-  # A batch-1 GEMV at N=4096: 32 N blocks x 4 K splits, one wave on 132 SMs.
+  # A batch-1 GEMV at N=4096: 16 N blocks x 25 K splits, three waves on 132 SMs; at 16
+  # rows, 32 N blocks x 4 K splits, one wave.
   g = default_block_config(1, 4096, 4096, 1, "gpu", num_cores=132)
+  assert (g.block_n, g.block_k, g.num_splits) == (256, 32, 25)
+  g = default_block_config(16, 4096, 4096, 1, "gpu", num_cores=132)
   assert (4096 // g.block_n) * g.num_splits == 128
 
 
@@ -262,6 +277,7 @@ def test_bad_inputs_are_refused():
 @pytest.mark.parametrize("backend,kwargs,match", [
     ("gpu", dict(block_n=128), "N=64 to be a multiple of block_n=128"),
     ("gpu", dict(block_m=24), "power-of-two block_m"),
+    ("gpu", dict(block_m=3), "power-of-two block_m"),
     ("gpu", dict(block_n=64, block_k=64, scale=4),
      "scale block K // S = 64 // 4 = 16 to be a multiple of block_k=64"),
     ("tpu", dict(block_n=32, block_k=64), "block_n=32 to be a multiple of 128"),
