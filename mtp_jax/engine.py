@@ -113,6 +113,7 @@ class _Admitted(NamedTuple):
     pages: list
     tokens: int  # KV positions its pages cover
     origin: Optional["_Resumed"]  # set for a request preempted before
+    row: tuple = ()  # its row of the batch's admit call (`Engine._admission`)
 
 
 @dataclasses.dataclass
@@ -241,7 +242,8 @@ class Engine:
         # calls use. The step bodies must execute here, not only compile: a program's
         # first execution costs several later ones on CPU, which would also mislead the
         # adaptive controller's first timings.
-        self._admit_slot(0, Request(None, [0]), [[] for _ in self.layout.groups], limit=0)
+        self._admit([self._admission(0, Request(None, [0]), [[] for _ in self.layout.groups],
+                                     limit=0)])
         for kind in self.static.kinds:
             self.state = self.progs.steps(kind)(p, self.state, jnp.int32(1))
         if self.control is not None:  # the adaptive controller's cost prior
@@ -342,11 +344,11 @@ class Engine:
         return self.spec.k > 0 and not self.static.coupled and req.sampling.temperature > 0
 
     # --------------------------------------------------------------- admission
-    def _admit_slot(self, slot: int, req: Request, pages: list, limit: Optional[int] = None,
-                    row: int = 0):
-        """The admit program for `req` in `slot` on its reserved pages, its prompt in
-        scratch row `row`; returns the state. `limit`: KV positions it may write (default:
-        its reservation)."""
+    def _admission(self, slot: int, req: Request, pages: list, limit: Optional[int] = None
+                   ) -> tuple:
+        """The host arrays that admit `req` into `slot` on its reserved pages: one row of
+        its prefill batch's admit call. `limit`: KV positions it may write (default: its
+        reservation)."""
         s, eng = self.static, self.config
         prompt = np.asarray(req.prompt_ids, np.int32)
         buf = np.zeros((s.scratch_len,), np.int32)
@@ -354,19 +356,29 @@ class Engine:
         stops = np.full((eng.max_stop_ids,), -1, np.int32)
         ids = self._stop_ids(req)
         stops[: len(ids)] = ids
-        rows = self.alloc.table_rows(pages)
         full = np.zeros((self.layout.width,), np.int32)
         full[: len(pages[0])] = pages[0]
         sp = req.sampling
         tokens = self._admit_tokens(req) if limit is None else limit
-        # numpy scalars: they travel with the call (a jnp scalar is a dispatch of its own)
-        i32, f32 = np.int32, np.float32
-        self.state = self.progs.admit(
-            self.state, i32(slot), i32(row), buf, i32(tokens), i32(self._budget(req)), stops,
-            f32(sp.temperature), i32(sp.top_k), f32(sp.top_p),
-            np.asarray(split_seed(sp.seed), np.uint32), np.bool_(sp.relaxed),
-            np.bool_(self._thinking(prompt)), rows, full)
-        return self.state
+        return (slot, buf, tokens, self._budget(req), stops, sp.temperature, sp.top_k,
+                sp.top_p, np.asarray(split_seed(sp.seed), np.uint32), sp.relaxed,
+                self._thinking(prompt), self.alloc.table_rows(pages), full)
+
+    def _admit(self, rows: list) -> None:
+        """One admit call for a prefill batch's rows (`_admission`), padded to the
+        scratch's rows with slot max_batch: numpy arrays only, so the call is one dispatch."""
+        s = self.static
+        pad = (self.config.max_batch, np.zeros((s.scratch_len,), np.int32), 0, 0,
+               np.full((self.config.max_stop_ids,), -1, np.int32), 0.0, 0, 1.0,
+               np.zeros((2,), np.uint32), False, False,
+               np.zeros((len(self.layout.groups), self.layout.width), np.int32),
+               np.zeros((self.layout.width,), np.int32))
+        rows = list(rows) + [pad] * (s.prefill_rows - len(rows))
+        dtypes = (np.int32, np.int32, np.int32, np.int32, np.int32, np.float32, np.int32,
+                  np.float32, np.uint32, np.bool_, np.bool_, np.int32, np.int32)
+        cols = [np.asarray([r[i] for r in rows], dt) for i, dt in enumerate(dtypes)]
+        cols[-1] = cols[-1].reshape(-1)  # every row's pages, for zeroing
+        self.state = self.progs.admit(self.state, *cols)
 
     def _prefill(self, slots: np.ndarray, prompt_len: np.ndarray) -> None:
         """Prefill a batch of admitted requests together, a row each (slots [r], padding
@@ -414,7 +426,7 @@ class Engine:
         for slot in range(self.config.max_batch):
             if self.slots[slot] is not None:
                 continue
-            item = self._take(slot, len(batch), out)
+            item = self._take(slot, out)
             if item is None:
                 break  # the queue is empty, or its head waits for pages (keep the order)
             batch.append(item)
@@ -424,9 +436,10 @@ class Engine:
         if batch:
             self._prefill_batch(batch, out)
 
-    def _take(self, slot: int, row: int, out: list) -> Optional[_Admitted]:
-        """Admit the head of the queue into `slot` (its prompt in scratch row `row`), or
-        None if nothing can be admitted now.
+    def _take(self, slot: int, out: list) -> Optional[_Admitted]:
+        """The head of the queue, its pages reserved and its admission into `slot`
+        prepared (the batch's admit call runs before its prefill), or None if nothing can
+        be admitted now.
         Requests that can never run get their error results in `out`."""
         while self.queue:
             req = self.queue[0]
@@ -442,7 +455,7 @@ class Engine:
             self.queue.popleft()
             item = _Admitted(slot, req, pages, tokens, self._resumed.pop(id(req), None))
             try:
-                self._admit_slot(slot, req, pages, row=row)
+                item = item._replace(row=self._admission(slot, req, pages))
             except Exception as e:  # never lose the batch or leak the reservation
                 self._refuse([item], e, out)
                 continue
@@ -459,6 +472,7 @@ class Engine:
         for i, a in enumerate(batch):
             slots[i], prompt_len[i] = a.slot, len(a.req.prompt_ids)
         try:
+            self._admit([a.row for a in batch])
             self._prefill(slots, prompt_len)
         except Exception as e:
             self._refuse(batch, e, out)

@@ -303,19 +303,21 @@ def run_steps(model, s: Static, st: DecodeState, num_steps, kr: Optional[int] = 
 
 
 # ------------------------------------------------------------------------------- admit
-def admit(s: Static, st: DecodeState, slot, row, prompt, limit, max_tokens, stop_ids,
+def admit(s: Static, st: DecodeState, slots, prompts, limit, max_tokens, stop_ids,
           temperature, top_k, top_p, seed, relaxed, think, table_rows, zero_pages
           ) -> DecodeState:
-    """Put a request into `slot` (its block-table rows [groups, width] already reserved).
+    """Put a prefill batch's requests into `slots` [R] (R = the scratch's rows; their
+    block-table rows table_rows [R, groups, width] already reserved), one call a batch.
 
-    prompt [S] int32: the prompt placed at scratch offset O, in scratch row `row` (its
-    place in the prefill batch). think: the prompt leaves the
-    request inside a thinking phase (relaxed acceptance). zero_pages [n] int32: pages
-    whose per_step MTP-module KV (modules after the first) must read as zeros, padded
-    with the null page 0.
+    Row i's prompt [S] (prompts [R, S] int32) is placed at scratch offset O in scratch
+    row i, its place in the prefill batch; a slot of max_batch marks a padding row, whose
+    updates are dropped. The per-row arrays are [R] (stop_ids [R, n], seed [R, 2]).
+    think: the prompt leaves the request inside a thinking phase (relaxed acceptance).
+    zero_pages [n] int32: pages whose per_step MTP-module KV (modules after the first)
+    must read as zeros, padded with the null page 0.
     """
     def put(arr, val):
-        return arr.at[slot].set(val)
+        return arr.at[slots].set(val, mode="drop")
 
     sp = st.sampling
     return st.replace(
@@ -326,9 +328,9 @@ def admit(s: Static, st: DecodeState, slot, row, prompt, limit, max_tokens, stop
                                put(sp.top_p, top_p), put(sp.seed, seed)),
         relaxed=put(st.relaxed, relaxed), think=put(st.think, think),
         steps=put(st.steps, 0), accepted=put(st.accepted, 0), drafted=put(st.drafted, 0),
-        block_tables=tuple(put(bt, table_rows[g]) for g, bt in enumerate(st.block_tables)),
+        block_tables=tuple(put(bt, table_rows[:, g]) for g, bt in enumerate(st.block_tables)),
         caches=_zero_per_step_pages(s, st.caches, zero_pages),
-        prefill_tokens=st.prefill_tokens.at[row].set(prompt))
+        prefill_tokens=prompts)
 
 
 def _zero_per_step_pages(s: Static, caches, pages) -> tuple:
@@ -511,7 +513,7 @@ class Programs:
 
     @functools.cached_property
     def admit(self):
-        return self._jit(functools.partial(admit, self.static), 14, with_params=False)
+        return self._jit(functools.partial(admit, self.static), 13, with_params=False)
 
     @functools.cached_property
     def release(self):

@@ -309,14 +309,14 @@ def test_a_failing_admission_gives_an_error_result_and_leaks_nothing(engine, alo
                                                                      monkeypatch):
     want = alone("none", PROMPTS[2], SAMPLINGS[0])
     eng = engine("none")
-    real = eng._admit_slot
+    real = eng._admission
 
-    def admit(slot, req, pages, limit=None, row=0):
+    def admission(slot, req, pages, limit=None):
         if req.id == 0:
             raise RuntimeError("injected")
-        return real(slot, req, pages, limit, row)
+        return real(slot, req, pages, limit)
 
-    monkeypatch.setattr(eng, "_admit_slot", admit)
+    monkeypatch.setattr(eng, "_admission", admission)
     results = eng.generate([Request(0, PROMPTS[1], SAMPLINGS[0]),
                             Request(1, PROMPTS[2], SAMPLINGS[0])])
     assert results[0].finish_reason == "error" and "injected" in results[0].error
