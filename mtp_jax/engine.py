@@ -360,23 +360,20 @@ class Engine:
         full[: len(pages[0])] = pages[0]
         sp = req.sampling
         tokens = self._admit_tokens(req) if limit is None else limit
-        return (slot, buf, tokens, self._budget(req), stops, sp.temperature, sp.top_k,
-                sp.top_p, np.asarray(split_seed(sp.seed), np.uint32), sp.relaxed,
-                self._thinking(prompt), self.alloc.table_rows(pages), full)
+        # typed here, so that a request whose fields do not convert fails alone
+        i32, f32 = np.int32, np.float32
+        return (i32(slot), buf, i32(tokens), i32(self._budget(req)), stops,
+                f32(sp.temperature), i32(sp.top_k), f32(sp.top_p),
+                np.asarray(split_seed(sp.seed), np.uint32), np.bool_(sp.relaxed),
+                np.bool_(self._thinking(prompt)), self.alloc.table_rows(pages), full)
 
     def _admit(self, rows: list) -> None:
         """One admit call for a prefill batch's rows (`_admission`), padded to the
         scratch's rows with slot max_batch: numpy arrays only, so the call is one dispatch."""
-        s = self.static
-        pad = (self.config.max_batch, np.zeros((s.scratch_len,), np.int32), 0, 0,
-               np.full((self.config.max_stop_ids,), -1, np.int32), 0.0, 0, 1.0,
-               np.zeros((2,), np.uint32), False, False,
-               np.zeros((len(self.layout.groups), self.layout.width), np.int32),
-               np.zeros((self.layout.width,), np.int32))
-        rows = list(rows) + [pad] * (s.prefill_rows - len(rows))
-        dtypes = (np.int32, np.int32, np.int32, np.int32, np.int32, np.float32, np.int32,
-                  np.float32, np.uint32, np.bool_, np.bool_, np.int32, np.int32)
-        cols = [np.asarray([r[i] for r in rows], dt) for i, dt in enumerate(dtypes)]
+        pad = self._admission(self.config.max_batch, Request(None, [0]),
+                              [[] for _ in self.layout.groups], limit=0)
+        rows = list(rows) + [pad] * (self.static.prefill_rows - len(rows))
+        cols = [np.stack(col) for col in zip(*rows)]
         cols[-1] = cols[-1].reshape(-1)  # every row's pages, for zeroing
         self.state = self.progs.admit(self.state, *cols)
 
