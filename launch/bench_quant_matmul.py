@@ -134,16 +134,17 @@ def candidates(scheme, m, k, n, s, tiny, sweep):
   out = [(f"{scheme} XLA", lambda x, w, sc: quant_matmul_reference(x, w, sc), "")]
   d = default_block_config(m, k, n, s, "gpu", num_cores=132 if tiny else None)
   cfgs = [d]
+  alts = []
+  if sweep and m == 1:  # every scheme: the 16-row tensor-core tiling beside the default
+    alts.append(default_block_config(16, k, n, s, "gpu", num_cores=132 if tiny else None))
   if sweep and scheme == "int8 channel":
-    alts = [dataclasses.replace(d, num_stages=4), dataclasses.replace(d, num_splits=1),
-            dataclasses.replace(d, num_splits=2 * d.num_splits),
-            dataclasses.replace(d, block_n=d.block_n // 2)]
-    if m == 1:  # the 16-row tensor-core tiling beside the default CUDA-core one, and
-      # the CUDA-core path's other chunk shapes (8 KB each)
-      alts.append(default_block_config(16, k, n, s, "gpu", num_cores=132 if tiny else None))
+    alts += [dataclasses.replace(d, num_stages=4), dataclasses.replace(d, num_splits=1),
+             dataclasses.replace(d, num_splits=2 * d.num_splits),
+             dataclasses.replace(d, block_n=d.block_n // 2)]
+    if m == 1:  # the CUDA-core path's other chunk shapes (8 KB each)
       alts += [dataclasses.replace(d, block_n=bn, block_k=8192 // bn)
                for bn in (512, 256, 128) if bn != d.block_n and (k // s) % (8192 // bn) == 0]
-    cfgs += [c for c in alts if n % c.block_n == 0 and c.block_n >= 16 and c not in cfgs]
+  cfgs += [c for c in alts if n % c.block_n == 0 and c.block_n >= 16 and c not in cfgs]
   for i, c in enumerate(cfgs):
     name = f"{scheme} Pallas" + ("" if i == 0 else f" ({config_label(c)})")
     out.append((name, lambda x, w, sc, c=c: quant_matmul(
