@@ -46,10 +46,22 @@ def _kernel(x_ref, v_ref, s_ref, o_ref, *, block_m, block_k, group_chunks, num_k
   rows = jnp.minimum(i * block_m + jnp.arange(block_m, dtype=jnp.int32), m - 1)
   precision = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
   per_chunk_scale = s_ref.shape[0] > 1
+  half = f16_dot(x_ref.dtype, v_ref.dtype, s_ref.shape[0])
+  if half:
+    # A power of two per row (and split) that brings the row's largest |x| to 2^14:
+    # x / row_scale is exact and inside float16's range.
+    def amax(c, top):
+      xb = x_ref[rows, pl.ds(pl.multiple_of(c * block_k, block_k), block_k)]
+      return jnp.maximum(top, jnp.abs(xb.astype(jnp.float32)).max(axis=1))
+    top = lax.fori_loop(begin, end, amax, jnp.zeros((block_m,), jnp.float32))
+    row_scale = jnp.exp2(jnp.ceil(jnp.log2(jnp.maximum(top, 2.0 ** -100))) - 14.0)
+    inv_scale = 1.0 / row_scale
 
   def body(c, acc):
     k0 = pl.multiple_of(c * block_k, block_k)
     xb = x_ref[rows, pl.ds(k0, block_k)]
+    if half:  # fp8 -> f16 is one packed conversion; -> bf16 goes through f32
+      xb = (xb.astype(jnp.float32) * inv_scale[:, None]).astype(jnp.float16)
     vb = v_ref[pl.ds(k0, block_k), :].astype(xb.dtype)    # 1 byte read, exact convert
     part = lax.dot_general(xb, vb, (((1,), (0,)), ((), ())), precision=precision,
                            preferred_element_type=jnp.float32)
@@ -58,10 +70,22 @@ def _kernel(x_ref, v_ref, s_ref, o_ref, *, block_m, block_k, group_chunks, num_k
     return acc + part
 
   acc = lax.fori_loop(begin, end, body, jnp.zeros((block_m, block_n), jnp.float32))
+  if half:
+    acc = acc * row_scale[:, None]
   if not per_chunk_scale:
     acc = acc * s_ref[0, :][None, :]
   # Rows past M carry row M - 1's value: storing them again is harmless.
   o_ref[rows, :] = acc.astype(o_ref.dtype)
+
+
+def f16_dot(x_dtype, v_dtype, scale_rows: int) -> bool:
+  """Whether the tensor-core path multiplies in float16: per-channel fp8 weights under
+  bf16 x (x rescaled per row by a power of two, exact, into f16's range; f16's mantissa
+  is finer than bf16's, so the products lose nothing against a bf16 dot). H100,
+  MiMo-7B, fp8 per channel: the chain K=3 step at batch 1 (a 4-row verify) 7.75 ->
+  6.99 ms. Block-scaled fp8 measured 7.85 -> 8.08 ms in the same call, so it keeps bf16."""
+  return (scale_rows == 1 and jnp.dtype(x_dtype) == jnp.bfloat16
+          and jnp.dtype(v_dtype) in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)))
 
 
 def _gemv_kernel(x_ref, v_ref, s_ref, o_ref, *, block_m, block_k, group_chunks, num_k,

@@ -107,7 +107,10 @@ CASES = {c.name: c for c in [
     # Three M blocks of 16, narrow N blocks, three K splits of which the last is empty.
     Case("int8_channel_m33_bf16", 33, k=128, n=128, dtype=jnp.bfloat16,
          overrides=(("block_m", 16), ("block_n", 32), ("block_k", 32), ("num_splits", 3))),
+    # fp8 per channel under bf16 x: the tensor-core path multiplies in float16.
     Case("fp8_channel_m5_bf16", 5, values=jnp.float8_e4m3fn, dtype=jnp.bfloat16),
+    Case("e5m2_channel_m16_bf16", 16, values=jnp.float8_e5m2, dtype=jnp.bfloat16,
+         overrides=(("num_splits", 2),)),
     # Block-scaled: one chunk per scale block, split across two K splits.
     Case("fp8_block16_m16_bf16", 16, scale_rows=4, values=jnp.float8_e4m3fn,
          dtype=jnp.bfloat16, overrides=(("block_k", 16), ("num_splits", 2))),
@@ -191,6 +194,24 @@ def test_gpu_kernel_lowers_to_triton(values, m):
   fn = jax.jit(lambda x, v, sc: quant_matmul_gpu(x, v, sc, block=block, interpret=False))
   text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "quant_matmul_gpu" in text
+
+
+@pytest.mark.parametrize("magnitude", [1e-30, 1.0, 1e30])
+def test_fp8_rows_beyond_float16_range_stay_exact(magnitude):
+  """The float16 dot of fp8 weights rescales each row of x by a power of two: rows far
+  outside f16's range (and one row of zeros) match the reference, with no inf or 0."""
+  case = Case("f16_range", 16, k=128, n=64, values=jnp.float8_e4m3fn, dtype=jnp.bfloat16)
+  x, v, s = make_inputs(case, seed=3)
+  x = (x.astype(jnp.float32) * magnitude).at[2].set(0.0).at[5, 7].mul(300.0)
+  x = x.astype(jnp.bfloat16)
+  got = quant_matmul(x, v, s, backend="gpu", interpret=True,
+                     block_config=BlockConfig(block_m=16, block_n=64, block_k=32,
+                                              num_splits=2))
+  want = numpy_quant_matmul(x, v, s)
+  got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+  assert np.isfinite(got).all() and (got[2] == 0).all()
+  np.testing.assert_allclose(got / magnitude, want / magnitude, rtol=2e-2,
+                             atol=2e-2 * np.abs(want / magnitude).max())
 
 
 def test_zero_rows():
