@@ -140,11 +140,15 @@ def default_block_config(m, k, n, s, backend, num_cores=None) -> BlockConfig:
 
 def _gemv_block_config(k, n, bk, num_cores) -> BlockConfig:
   """One row on CUDA cores (GPU): 8 KB weight chunks (256 columns x 32 rows, or 128 x 64
-  where 256 does not divide N), 8 warps, 4 stages, and K splits of at most 512 rows each,
+  where 256 does not divide N), 8 warps, 4 stages, and K splits of at most 1024 rows each,
   raised until the grid holds three waves of programs. H100, M = 1, bf16 x, int8 per
   channel (launch/bench_quant_matmul.py): against the 16-row tensor-core tiling, Llama /
   MiMo gate+up 44-46 vs 48.6 us, MiMo QKV 15.5 vs 17.8, MiMo lm_head 256 vs 268, o_proj
-  and down level (12.7 / 24.6 us)."""
+  and down level (12.7 / 24.6 us). Splits swept 3..25 on the same card: the shapes with
+  few column blocks (QKV, o_proj, down: 16-48) are best at about three waves, as chosen;
+  the wide ones lost with splits of 512 rows (int8 / fp8 gate+up 43.9 / 49.4 us at 8
+  splits against 40.5 / 39.9 at 5, Llama lm_head 54.5 vs 52.5 at 4, MiMo lm_head 243 vs
+  235 at 4): more programs than three waves only add partial sums and pipeline fills."""
   for block_n in (256, 128, 64, 32, 16):
     block_k = 8192 // block_n
     if n % block_n == 0 and bk % block_k == 0:
@@ -154,7 +158,7 @@ def _gemv_block_config(k, n, bk, num_cores) -> BlockConfig:
     block_k = first_divisor(bk, (128, 64, 32)) or 16
   chunks = k // block_k
   n_blocks = n // block_n
-  splits = -(-k // 512)
+  splits = -(-k // 1024)
   splits = max(splits, -(-3 * num_cores // n_blocks))
   splits = max(1, min(splits, chunks // 2 or 1, 64))
   return BlockConfig(block_m=1, block_n=block_n, block_k=block_k, num_splits=splits,
