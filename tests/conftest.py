@@ -2,7 +2,7 @@
 
 On CPU the tiny test models spend most of their time in XLA compilation, not in running,
 so unless the user chose their own `XLA_FLAGS` we ask XLA for cheap compiles before jax
-is imported. `JAX_PLATFORMS` is left as the user set it.
+is imported (tests/cpu_compile.py). `JAX_PLATFORMS` is left as the user set it.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import os
 
-_CHEAP_CPU_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 _ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12",
                         "jax_plugins.xla_cuda13", "jax_rocm60_plugin", "libtpu")
 
@@ -30,7 +29,9 @@ def _platform_is_cpu() -> bool:
 
 
 if "XLA_FLAGS" not in os.environ and _platform_is_cpu():
-    os.environ["XLA_FLAGS"] = _CHEAP_CPU_COMPILE
+    from cpu_compile import cpu_flags
+
+    os.environ["XLA_FLAGS"] = cpu_flags()
 
 # The suite compiles from scratch (a persistent compilation cache would make a test's
 # compile depend on earlier runs); test_generate_cli checks warm starts in its own folder.

@@ -1,7 +1,10 @@
 """End-to-end tests of `python -m mtp_jax.generate`, run as a subprocess on small random
 checkpoints (tests/cli_fixtures.py). Each run that generates pays a fresh compile, so the
 module makes only two of them: `chain` from stdin to stdout through the default-model
-lookup (every error kind rides along), and `none` on the orbax copy with `--resume`.
+lookup (every error kind rides along), compiling into an empty persistent cache folder of
+its own, and `none` on the orbax copy with `--resume` and the cache off. A third run
+(`chain` on the same model and engine options) loads its programs from the first one's
+folder.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from cli_fixtures import make_checkpoint, make_orbax
+from cpu_compile import cpu_flags
 
 REPO = Path(__file__).resolve().parent.parent
 ENGINE_ARGS = ["--max-batch", "2", "--max-model-len", "64"]
@@ -56,8 +60,7 @@ RAW_ERRORS = [  # lines that are not JSON at all
 
 
 def run_cli(args, *, stdin=None, env=None, timeout=300):
-    full_env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
-        "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"))
+    full_env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_flags())
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-m", "mtp_jax.generate", *map(str, args)],
                           input=stdin, capture_output=True, env=full_env, cwd=REPO,
@@ -78,7 +81,8 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def chain_run(ckpt):
-    """chain, stdin -> stdout, model found through the default lookup (single subfolder)."""
+    """chain, stdin -> stdout, model found through the default lookup (single subfolder),
+    compiling into the empty cache folder `ckpt / "cache"` (a warm start reads it later)."""
     lines, expect = [json.dumps(x).encode() for x in VALID], {}
     for obj, rid, msg in ERRORS:
         lines.append(json.dumps(obj).encode())
@@ -87,7 +91,8 @@ def chain_run(ckpt):
     for raw, rid, msg in RAW_ERRORS:
         lines.append(raw)
         expect[len(lines)] = (rid.format(n=len(lines)), msg)
-    proc = run_cli(["--input", "-", "--output", "-", "--method", "chain", *ENGINE_ARGS],
+    proc = run_cli(["--input", "-", "--output", "-", "--method", "chain", *ENGINE_ARGS,
+                    "--compile-cache", ckpt / "cache"],
                    stdin=b"\n".join(lines) + b"\n",
                    env={"MTP_JAX_DEFAULT_MODEL": str(ckpt / "shipped")})
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
@@ -129,7 +134,7 @@ def test_chain_records_errors_and_summary(chain_run):
 def test_none_orbax_resume(ckpt, chain_run, tmp_path):
     """Greedy `none` on the orbax copy gives chain's tokens; --resume skips recorded ids
     (error records too), cuts off a torn last line (its id runs again) and otherwise never
-    rewrites the file."""
+    rewrites the file. `--compile-cache off` turns the persistent cache off."""
     chain = {r["id"]: r for r in chain_run[1] if "token_ids" in r}
     t1 = chain["t1"]["text"]
     stop = t1[3:6]
@@ -143,8 +148,9 @@ def test_none_orbax_resume(ckpt, chain_run, tmp_path):
     torn = '{"id": "t1", "text": "he'
     out.write_text("".join(json.dumps(x) + "\n" for x in pre) + torn)
     proc = run_cli(["--model", ckpt / "orbax", "--input", inp, "--output", out, "--resume",
-                    "--method", "none", "--stop", "@@", *ENGINE_ARGS])
+                    "--method", "none", "--stop", "@@", *ENGINE_ARGS, "--compile-cache", "off"])
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    assert "compile cache off" in proc.stderr.decode()
     text = out.read_text().split("\n")
     assert text[:2] == [json.dumps(x) for x in pre] and text[-1] == "" and torn not in text
     new = [json.loads(x) for x in text[2:-1]]
@@ -247,24 +253,23 @@ def test_record_fields():
         "id": "z", "error": "bad"}
 
 
-def test_second_run_loads_its_programs_from_the_compile_cache(ckpt, tmp_path):
-    """Warm starts: the second identical run finds every program in the persistent cache
-    (the option wins over $MTP_JAX_COMPILE_CACHE, which the suite sets to off)."""
+def test_second_run_loads_its_programs_from_the_compile_cache(ckpt, chain_run, tmp_path):
+    """Warm starts: chain_run compiled every program into an empty cache folder of its own;
+    a second run of `chain` with the same model and engine options finds every program
+    there (the option wins over $MTP_JAX_COMPILE_CACHE, which the suite sets to off).
+    test_none_orbax_resume runs with the cache off."""
+    first = chain_run[0].stderr.decode()
+    assert re.search(r"compile cache 0 hits / [1-9]\d* misses", first), first[-800:]
+    cache = ckpt / "cache"
+    assert any(cache.iterdir())
     inp = tmp_path / "in.jsonl"
     inp.write_text(json.dumps({"id": "a", "prompt_ids": [3, 5, 7], "max_tokens": 6}) + "\n")
-    cache = tmp_path / "cache"
-    args = ["--model", ckpt / "shipped" / "hf", "--input", inp, "--output", tmp_path / "o.jsonl",
-            "--method", "chain", *ENGINE_ARGS, "--compile-cache", cache]
-    runs = [run_cli(args) for _ in range(2)]
-    for proc in runs:
-        assert proc.returncode == 0, proc.stderr.decode()[-3000:]
-    first, second = (p.stderr.decode() for p in runs)
-    assert re.search(r"compile cache 0 hits / [1-9]\d* misses", first), first[-800:]
-    m = re.search(r"compile cache ([1-9]\d*) hits / 0 misses", second)
-    assert m, second[-800:]
-    assert any(cache.iterdir())
-    off = run_cli(args[:-1] + ["off"])
-    assert off.returncode == 0 and "compile cache off" in off.stderr.decode()
+    proc = run_cli(["--model", ckpt / "shipped" / "hf", "--input", inp, "--output",
+                    tmp_path / "o.jsonl", "--method", "chain", *ENGINE_ARGS,
+                    "--compile-cache", cache])
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    second = proc.stderr.decode()
+    assert re.search(r"compile cache ([1-9]\d*) hits / 0 misses", second), second[-800:]
 
 
 def test_duplicate_ids_later_line_gets_an_error_and_resume_loses_nothing(ckpt, tmp_path):

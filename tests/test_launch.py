@@ -20,10 +20,11 @@ from pathlib import Path
 import pytest
 
 from cli_fixtures import make_checkpoint
+from cpu_compile import cpu_flags
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH = REPO / "launch"
-CHEAP = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+CHEAP = cpu_flags()
 URL = "https://git.example.com/someone/mtp_jax.git"
 
 

@@ -38,9 +38,10 @@ from mtp_jax.engine import Engine, Request
 from mtp_jax.kv_cache import PageAllocator
 
 from cli_fixtures import CORPUS, VOCAB, make_checkpoint, make_orbax
+from cpu_compile import cpu_flags
 
 REPO = Path(__file__).resolve().parent.parent
-CHEAP_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+CHEAP_XLA = cpu_flags()
 METHODS = ("chain", "none")
 # prefill_batch 4: requests admitted together share prefill forwards (padding rows too), so
 # every mixed-batch test below also checks that rows do not leak into each other

@@ -11,15 +11,15 @@ import pytest
 
 from mtp_jax.sharding import make_mesh
 
+from cpu_compile import cpu_flags
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def run_on_8_devices(script: str, *args: str) -> dict:
     """Run tests/scripts/<script> on 8 fake CPU devices; its RESULT line, parsed."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 "
-                        "--xla_backend_optimization_level=0 "
-                        "--xla_llvm_disable_expensive_passes=true")
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 " + cpu_flags()
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run([sys.executable, os.path.join(HERE, "scripts", script), *args],
                           env=env, capture_output=True, text=True, timeout=900)
