@@ -275,7 +275,8 @@ def qeinsum(spec: str, x, w, *, preferred_element_type=None):
     contract = [a for a, c in enumerate(ws) if c not in out]
     per_channel = all(w.scale.shape[a] == 1 for a in contract)
     mat = _as_matrix(xs, ws, out, x.shape, w, contract)
-    if mat is not None and _use_kernel(mat, w.scale.size // mat[2], per_channel):
+    if mat is not None and _use_kernel(mat, w.scale.size // mat[2], per_channel,
+                                       w.values.dtype):
         from pallas_kernels.quant_matmul import quant_matmul
 
         m, k, n = mat
@@ -311,7 +312,7 @@ def _as_matrix(xs, ws, out, x_shape, w: QArray, contract):
     return (math.prod(x_shape[: len(x_shape) - c]), math.prod(sizes), math.prod(w.shape[c:]))
 
 
-def _use_kernel(mkn: tuple, s: int, per_channel: bool) -> bool:
+def _use_kernel(mkn: tuple, s: int, per_channel: bool, values_dtype=None) -> bool:
     """Whether the Pallas kernel computes x [M, K] @ w [K, N] (S scale rows): a GPU / TPU
     backend (or $MTP_JAX_QMATMUL_BACKEND naming one; `reference` never), decode sizes
     (KERNEL_MAX_ROWS, PER_CHANNEL_KERNEL_MAX_ROWS), shapes its blocks tile, one device
@@ -324,7 +325,7 @@ def _use_kernel(mkn: tuple, s: int, per_channel: bool) -> bool:
     backend = resolve_backend(None, BACKEND_ENV_VAR, "quantized-matmul")
     limit = PER_CHANNEL_KERNEL_MAX_ROWS if per_channel else KERNEL_MAX_ROWS
     m, k, n = mkn
-    if backend == "reference" or m > limit or not fits(m, k, n, s, backend):
+    if backend == "reference" or m > limit or not fits(m, k, n, s, backend, values_dtype):
         return False
     mesh = active_mesh()
     return mesh is None or mesh.devices.size == 1

@@ -88,8 +88,10 @@ class BlockConfig:
     check_positive_ints(self)
 
 
-def default_block_config(m, k, n, s, backend, num_cores=None) -> BlockConfig:
-  """Block sizes for x [m, k] @ values [k, n] with s scale rows.
+def default_block_config(m, k, n, s, backend, num_cores=None,
+                         values_dtype=None) -> BlockConfig:
+  """Block sizes for x [m, k] @ values [k, n] with s scale rows (values_dtype: the 1-byte
+  weights' dtype, which picks the one-row GPU chunk shape; None: as fp8).
 
   GPU, one row (M = 1): `_gemv_block_config`, on CUDA cores. More rows: block_m the rows
   as a power of two in 16..64; block_k up to 128 dividing K // S;
@@ -119,7 +121,7 @@ def default_block_config(m, k, n, s, backend, num_cores=None) -> BlockConfig:
   if num_cores is None:
     num_cores = getattr(jax.devices()[0], "core_count", None) or 132
   if m == 1:
-    return _gemv_block_config(k, n, bk, num_cores)
+    return _gemv_block_config(k, n, bk, num_cores, values_dtype)
   block_m = min(64, max(16, next_pow2(m)))
   block_k = first_divisor(bk, (128, 64, 32)) or 16
   m_blocks = -(-max(m, 1) // block_m)
@@ -138,41 +140,56 @@ def default_block_config(m, k, n, s, backend, num_cores=None) -> BlockConfig:
                      num_stages=4 if block_m == 16 else 3)
 
 
-def _gemv_block_config(k, n, bk, num_cores) -> BlockConfig:
-  """One row on CUDA cores (GPU): 8 KB weight chunks (256 columns x 32 rows, or 128 x 64
-  where 256 does not divide N), 8 warps, 4 stages, and K splits of at most 1024 rows each,
-  raised until the grid holds three waves of programs. H100, M = 1, bf16 x, int8 per
-  channel (launch/bench_quant_matmul.py): against the 16-row tensor-core tiling, Llama /
-  MiMo gate+up 44-46 vs 48.6 us, MiMo QKV 15.5 vs 17.8, MiMo lm_head 256 vs 268, o_proj
-  and down level (12.7 / 24.6 us). Splits swept 3..25 on the same card: the shapes with
+def _gemv_block_config(k, n, bk, num_cores, values_dtype=None) -> BlockConfig:
+  """One row on CUDA cores (GPU): weight chunks of 32 rows, 256 columns with 8 warps
+  (fp8, where 256 divides N) or 128 columns with 4 warps (int8, and fp8 where 256 does
+  not divide N); 4 stages; K splits of at most 1024 rows each, raised until the grid
+  holds three waves of 256-column blocks (128-column blocks make twice as many programs).
+
+  H100, M = 1, bf16 x (launch/bench_quant_matmul.py): against the 16-row tensor-core
+  tiling, int8 Llama / MiMo gate+up 44-46 vs 48.6 us, MiMo QKV 15.5 vs 17.8, MiMo lm_head
+  256 vs 268, o_proj and down level (12.7 / 24.6 us). Splits swept 3..25: the shapes with
   few column blocks (QKV, o_proj, down: 16-48) are best at about three waves, as chosen;
   the wide ones lost with splits of 512 rows (int8 / fp8 gate+up 43.9 / 49.4 us at 8
   splits against 40.5 / 39.9 at 5, Llama lm_head 54.5 vs 52.5 at 4, MiMo lm_head 243 vs
-  235 at 4): more programs than three waves only add partial sums and pipeline fills."""
-  for block_n in (256, 128, 64, 32, 16):
-    block_k = 8192 // block_n
-    if n % block_n == 0 and bk % block_k == 0:
-      break
+  235 at 4): more programs than three waves only add partial sums and pipeline fills.
+  Chunk shapes (128 / 256 / 512 columns x 16..128 rows, 4 / 8 / 16 warps, 3 / 4 stages)
+  with the same splits: int8 128 x 32 with 4 warps against 256 x 32 with 8 warps, QKV
+  14.2 vs 14.4 us, o_proj 11.4 vs 12.0, gate+up 39.4 vs 40.6, down 23.0 vs 25.1, Llama
+  lm_head 54.0 vs 52.7; fp8 lost with it (QKV Llama 27.4 vs 24.6, gate+up 43.5 vs 40.1)
+  except on MiMo's lm_head (N = 151680, where 256 does not divide N and the chunk was
+  128 x 64 with 8 warps: int8 227.7 vs 235.5, fp8 235.2 vs 254.8)."""
+  narrow = values_dtype is not None and jnp.dtype(values_dtype) == jnp.dtype(jnp.int8)
+  warps = 8
+  if not narrow and n % 256 == 0 and bk % 32 == 0:
+    block_n, block_k = 256, 32
+  elif n % 128 == 0 and bk % 32 == 0:
+    block_n, block_k, warps = 128, 32, 4
   else:
-    block_n = first_divisor(n, (256, 128, 64, 32)) or 16
-    block_k = first_divisor(bk, (128, 64, 32)) or 16
+    for block_n in (64, 32, 16):
+      block_k = 8192 // block_n
+      if n % block_n == 0 and bk % block_k == 0:
+        break
+    else:
+      block_n = first_divisor(n, (256, 128, 64, 32)) or 16
+      block_k = first_divisor(bk, (128, 64, 32)) or 16
   chunks = k // block_k
-  n_blocks = n // block_n
+  wide_blocks = -(-n // max(block_n, 256))
   splits = -(-k // 1024)
-  splits = max(splits, -(-3 * num_cores // n_blocks))
+  splits = max(splits, -(-3 * num_cores // wide_blocks))
   splits = max(1, min(splits, chunks // 2 or 1, 64))
   return BlockConfig(block_m=1, block_n=block_n, block_k=block_k, num_splits=splits,
-                     num_warps=8, num_stages=4)
+                     num_warps=warps, num_stages=4)
 
 
-def fits(m, k, n, s, backend) -> bool:
+def fits(m, k, n, s, backend, values_dtype=None) -> bool:
   """Whether `backend`'s kernel tiles x [m, k] @ values [k, n] with s scale rows under its
   default blocks (the wrappers raise ValueError otherwise); the reference always does."""
   if backend == "reference":
     return True
   if k % s:
     return False
-  block = default_block_config(m, k, n, s, backend)
+  block = default_block_config(m, k, n, s, backend, values_dtype=values_dtype)
   if backend == "gpu":
     from pallas_kernels.quant_matmul_gpu import check_blocks
   else:
@@ -275,7 +292,8 @@ def quant_matmul(x, values, scale, *, backend=None, interpret=False, block_confi
   (m, k), (s, n) = x.shape, scale.shape
   if block_config is None:
     block_config = default_block_config(m, k, n, s, backend,
-                                        num_cores=132 if interpret else None)
+                                        num_cores=132 if interpret else None,
+                                        values_dtype=values.dtype)
   return _quant_matmul(x, values, scale, backend=backend, block=block_config,
                        interpret=bool(interpret))
 

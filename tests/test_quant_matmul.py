@@ -234,8 +234,12 @@ def test_default_configs_fit_7b_shapes():
         assert all(v >= 16 and v & (v - 1) == 0 for v in (g.block_n, g.block_k))
         programs = -(-m // g.block_m) * (n // g.block_n) * g.num_splits
         if m == 1:                                            # one row on CUDA cores
-          assert g.block_m == 1 and g.block_n * g.block_k == 8192, (k, n, s, g)
+          assert g.block_m == 1 and g.block_k == 32 and g.block_n in (128, 256), (k, n, s, g)
+          assert g.num_warps == (8 if g.block_n == 256 else 4)
           assert programs >= 3 * 132 and k // g.num_splits <= 1024 or g.num_splits == 64
+          i8 = default_block_config(m, k, n, s, "gpu", num_cores=132, values_dtype=jnp.int8)
+          assert (i8.block_n, i8.block_k, i8.num_warps) == (128, 32, 4), (k, n, s, i8)
+          assert i8.num_splits == g.num_splits  # twice the programs of 256-wide blocks
           continue
         assert g.block_m >= 16 and g.block_m & (g.block_m - 1) == 0
         assert programs >= 66 or m > 64, (k, n, s, m, g)     # at most half the SMs idle
