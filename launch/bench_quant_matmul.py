@@ -132,11 +132,14 @@ def candidates(scheme, m, k, n, s, tiny, sweep):
   if scheme == "bf16":
     return [("bf16 XLA dot", bf16_dot, "")]
   out = [(f"{scheme} XLA", lambda x, w, sc: quant_matmul_reference(x, w, sc), "")]
-  d = default_block_config(m, k, n, s, "gpu", num_cores=132 if tiny else None)
+  values_dtype = jnp.int8 if scheme.startswith("int8") else jnp.float8_e4m3fn
+  d = default_block_config(m, k, n, s, "gpu", num_cores=132 if tiny else None,
+                           values_dtype=values_dtype)
   cfgs = [d]
   alts = []
   if sweep and m == 1:  # every scheme: the 16-row tensor-core tiling beside the default
-    alts.append(default_block_config(16, k, n, s, "gpu", num_cores=132 if tiny else None))
+    alts.append(default_block_config(16, k, n, s, "gpu", num_cores=132 if tiny else None,
+                                     values_dtype=values_dtype))
   if sweep and scheme == "int8 channel":
     alts += [dataclasses.replace(d, num_stages=4), dataclasses.replace(d, num_splits=1),
              dataclasses.replace(d, num_splits=2 * d.num_splits),
