@@ -367,12 +367,16 @@ class Engine:
                 np.asarray(split_seed(sp.seed), np.uint32), np.bool_(sp.relaxed),
                 np.bool_(self._thinking(prompt)), self.alloc.table_rows(pages), full)
 
+    @functools.cached_property
+    def _padding_admission(self) -> tuple:
+        """The admit row of a padding row: slot max_batch (dropped), nothing written."""
+        return self._admission(self.config.max_batch, Request(None, [0]),
+                               [[] for _ in self.layout.groups], limit=0)
+
     def _admit(self, rows: list) -> None:
         """One admit call for a prefill batch's rows (`_admission`), padded to the
         scratch's rows with slot max_batch: numpy arrays only, so the call is one dispatch."""
-        pad = self._admission(self.config.max_batch, Request(None, [0]),
-                              [[] for _ in self.layout.groups], limit=0)
-        rows = list(rows) + [pad] * (self.static.prefill_rows - len(rows))
+        rows = list(rows) + [self._padding_admission] * (self.static.prefill_rows - len(rows))
         cols = [np.stack(col) for col in zip(*rows)]
         cols[-1] = cols[-1].reshape(-1)  # every row's pages, for zeroing
         self.state = self.progs.admit(self.state, *cols)

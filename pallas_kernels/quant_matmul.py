@@ -31,7 +31,8 @@ bf16 time; 4 pipeline stages, 4-5 % faster in a sweep).
 At one row the default is a CUDA-core kernel (no 16-row tensor-core tile): H100, bf16 x,
 int8 per channel, same bench, against the 16-row tiling: MiMo / Llama gate+up 44-46 vs
 48.6 us, MiMo QKV 15.5 vs 17.8, MiMo lm_head 256 vs 268, o_proj and down level; the
-MiMo-7B int8 decode step at batch 1 went from 4.62 to 4.41 ms. int8 still streams at
+MiMo-7B int8 decode step at batch 1 went from 4.62 to 4.41 ms (3.9-4.0 ms after the
+split, conversion and chunk changes of `_gemv_block_config` and `widen`). int8 still streams at
 only 45-81 % of the copy bandwidth (timing loop included) where XLA's bf16 GEMV reaches
 69-98 % (docs/BENCHMARKS.md).
 

@@ -35,15 +35,20 @@ from jax.experimental.pallas import triton as pltriton
 GEMV_MAX_ROWS = 8  # block_m up to this runs on CUDA cores (_gemv_kernel)
 
 
-def _kernel(x_ref, v_ref, s_ref, o_ref, *, block_m, block_k, group_chunks, num_k,
-            num_splits):
+def _program_span(x_ref, block_m, num_k, num_splits):
+  """This program's rows of x (clamped to M - 1) and its split's K chunks [begin, end)."""
   i, split = pl.program_id(0), pl.program_id(2)
-  m = x_ref.shape[0]
-  block_n = o_ref.shape[-1]
   per_split = -(-num_k // num_splits)
   begin = split * per_split
   end = jnp.minimum(begin + per_split, num_k)
-  rows = jnp.minimum(i * block_m + jnp.arange(block_m, dtype=jnp.int32), m - 1)
+  rows = jnp.minimum(i * block_m + jnp.arange(block_m, dtype=jnp.int32), x_ref.shape[0] - 1)
+  return rows, begin, end
+
+
+def _kernel(x_ref, v_ref, s_ref, o_ref, *, block_m, block_k, group_chunks, num_k,
+            num_splits):
+  rows, begin, end = _program_span(x_ref, block_m, num_k, num_splits)
+  block_n = o_ref.shape[-1]
   precision = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
   per_chunk_scale = s_ref.shape[0] > 1
   half = f16_dot(x_ref.dtype, v_ref.dtype, s_ref.shape[0])
@@ -89,24 +94,19 @@ def f16_dot(x_dtype, v_dtype, scale_rows: int) -> bool:
 
 
 def widen(v, dtype):
-  """1-byte weights to `dtype`, exactly, for the CUDA-core path. int8 -> f32 / f16 / bf16
-  skips the int-to-float conversion instruction (I2F, 16 results per clock per SM on
-  recent NVIDIA GPUs): the weight is sign-extended to an integer of the float's width and
-  added to the bits of 1.5 * 2^23 (f32) or 1152 (f16), whose ulp is 1, and that float is
-  subtracted again. H100, one row, int8 per channel: o_proj 13.6 -> 12.5 us, MiMo QKV
+  """1-byte weights to `dtype`, exactly, for the CUDA-core path. int8 skips the
+  int-to-float conversion instruction (I2F, 16 results per clock per SM on recent NVIDIA
+  GPUs): the weight is sign-extended to int32 and added to the bits of 1.5 * 2^23, whose
+  ulp is 1, and that float is subtracted again (|w| <= 128, so any float dtype holds the
+  result exactly). H100, one row, int8 per channel: o_proj 13.6 -> 12.5 us, MiMo QKV
   14.9 -> 14.4, down 24.9 -> 24.1, gate+up and lm_head within 1 %. Under the tensor-core
   dot it was slower (4 rows, gate+up 44.9 -> 58.2 us; with an f16 dot 56.5), so
   `_kernel` keeps the plain convert."""
-  dtype = jnp.dtype(dtype)
-  if v.dtype != jnp.int8 or dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16),
-                                          jnp.dtype(jnp.bfloat16)):
+  if v.dtype != jnp.int8 or not jnp.issubdtype(dtype, jnp.floating):
     return v.astype(dtype)
-  if dtype == jnp.float16:
-    bits = v.astype(jnp.int16) + jnp.int16(0x6480)
-    return lax.bitcast_convert_type(bits, jnp.float16) - jnp.float16(1152.0)
   bits = v.astype(jnp.int32) + jnp.int32(0x4B400000)
   w = lax.bitcast_convert_type(bits, jnp.float32) - jnp.float32(12582912.0)
-  return w.astype(dtype)  # |w| <= 128: exact in bf16
+  return w.astype(dtype)
 
 
 def _gemv_kernel(x_ref, v_ref, s_ref, o_ref, *, block_m, block_k, group_chunks, num_k,
@@ -115,13 +115,8 @@ def _gemv_kernel(x_ref, v_ref, s_ref, o_ref, *, block_m, block_k, group_chunks, 
   padding and no operand layout change. One row keeps a [block_k, block_n] f32
   accumulator of products and reduces it over K once, after the loop; a few rows reduce
   each chunk's products over K as they go."""
-  i, split = pl.program_id(0), pl.program_id(2)
-  m = x_ref.shape[0]
+  rows, begin, end = _program_span(x_ref, block_m, num_k, num_splits)
   block_n = o_ref.shape[-1]
-  per_split = -(-num_k // num_splits)
-  begin = split * per_split
-  end = jnp.minimum(begin + per_split, num_k)
-  rows = jnp.minimum(i * block_m + jnp.arange(block_m, dtype=jnp.int32), m - 1)
   per_chunk_scale = s_ref.shape[0] > 1
 
   def body(c, acc):
