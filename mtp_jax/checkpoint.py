@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import mmap
 import os
 import re
 import struct
@@ -821,11 +822,11 @@ def _place(e: Entry, arrs, want, shardings, nonfinite: list):
             return finite(e.slice_join(arrs, _full_index(idx, want.shape), want.dtype))
         if sh is None:  # uncommitted, on the default device, like every jnp array
             return _to_device(piece(()))
-        return jax.make_array_from_callback(want.shape, sh, piece)
+        return jax.make_array_from_callback(want.shape, sh, lambda idx: _owned(piece(idx)))
     full = finite(e.join(arrs).astype(want.dtype, copy=False))
     if sh is None:
         return _to_device(full)
-    return jax.make_array_from_callback(want.shape, sh, lambda idx: full[idx])
+    return jax.make_array_from_callback(want.shape, sh, lambda idx: _owned(full[idx]))
 
 
 def _place_quantized(e: Entry, values, scales, contract, block_in: int, want, shardings,
@@ -856,14 +857,27 @@ def _place_quantized(e: Entry, values, scales, contract, block_in: int, want, sh
     # the scale is small: replicated on the value's devices until the engine places the
     # parameter by the sharding table (sharding.param_value_sharding)
     rep = jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec())
-    return quant.QArray(jax.make_array_from_callback(vals.shape, sh, lambda i: vals[i]),
+    return quant.QArray(jax.make_array_from_callback(vals.shape, sh, lambda i: _owned(vals[i])),
                         jax.device_put(scale, rep))
 
 
 def _to_device(host):
     """A device copy of a host array (never an alias of the memory-mapped file), made
     without compiling anything: a broken checkpoint fails before any XLA compile."""
-    return jax.device_put(host, may_alias=False)
+    return jax.device_put(_owned(host), may_alias=False)
+
+
+def _owned(host: np.ndarray) -> np.ndarray:
+    """`host`, or a copy of it where it is a view of a memory-mapped checkpoint file.
+    On CPU the runtime may keep a host array's memory as the device buffer instead of
+    copying it, `may_alias=False` notwithstanding (jaxlib 0.10), and a loaded parameter
+    must neither change nor fault when its file is rewritten."""
+    base = host
+    while base is not None:
+        if isinstance(base, (np.memmap, mmap.mmap)):
+            return np.array(host)
+        base = getattr(base, "base", None)
+    return host
 
 
 def _full_index(index, shape) -> tuple:

@@ -229,6 +229,37 @@ def test_hf_load_with_sharding_function(written, loaded):
     assert_same_params(again, loaded("mimo"))
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["one_device", "sharding_function"])
+def test_loaded_params_do_not_alias_the_files(sharded, tmp_path):
+    """Rewriting a checkpoint in place (saving over it, a quantized copy written to the same
+    folder) leaves a loaded model as it was: on CPU the runtime may keep a host array's own
+    memory as the device buffer, and a view of the memory-mapped file must not be one."""
+    config, _ = F.make_checkpoint(str(tmp_path), "mimo", shards=1, seed=5)
+    files = [os.path.join(tmp_path, f) for f in os.listdir(tmp_path)
+             if f.endswith(".safetensors")]
+    for name in files:  # data from a 64-byte boundary: the runtime aliases such arrays
+        with open(name, "rb") as f:
+            raw = f.read()
+        n = int.from_bytes(raw[:8], "little")
+        pad = -(8 + n) % 64
+        with open(name, "wb") as f:
+            f.write((n + pad).to_bytes(8, "little") + raw[8:8 + n] + b" " * pad + raw[8 + n:])
+    device = jax.devices()[0]
+    model = mtp_jax.load(str(tmp_path), shardings=(
+        (lambda p, s: jax.sharding.SingleDeviceSharding(device)) if sharded else None))
+    before = {k: np.array(v) for k, v in to_flat(model.params).items()}
+    for name in files:  # every data byte set to 0x7f, header kept, same size and inode
+        with open(name, "r+b") as f:
+            start = 8 + int.from_bytes(f.read(8), "little")
+            f.seek(0, os.SEEK_END)
+            end = f.tell()
+            f.seek(start)
+            f.write(b"\x7f" * (end - start))
+    assert files
+    for key, value in to_flat(model.params).items():
+        np.testing.assert_array_equal(np.asarray(value), before[key], err_msg=str(key))
+
+
 # ------------------------------------------------------------------ corrupted checkpoints
 LAYOUT = "deepseek_v3"  # 3 MTP modules with own heads and embeddings: the most names
 
