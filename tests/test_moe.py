@@ -359,12 +359,17 @@ def test_loading_streams_one_parameter_at_a_time(tmp_path):
     gc.collect()
     tracemalloc.start()
     try:
-        load(str(tmp_path))
-        _, peak = tracemalloc.get_traced_memory()
+        loaded = load(str(tmp_path))
+        gc.collect()
+        kept, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    # the file's bytes, the host array and its device copy of one parameter, plus the
-    # loader's small change (up to 3.06x the largest in 16 runs of this file); the model
-    # is 9.8x. Before the loader bounded its asynchronous copies, runs after the file's
-    # other tests reached 4.2x now and then: host arrays piled up behind the copies.
-    assert peak < 3.5 * largest, (peak, largest, total)
+    # On CPU the runtime keeps some host arrays (those on a 64-byte boundary) as the device
+    # buffers themselves: that memory is the loaded model's, still held at the end (0.2x
+    # to 2.3x the largest parameter from run to run). What loading needs on top of the model
+    # is the peak less that: one parameter being built, the previous one's host array behind
+    # its copy, and the finiteness check (1.68x-1.76x in 12 runs, whatever was aliased); the
+    # model is 9.8x. A loader that read all before placing any would show here every
+    # parameter the runtime copied rather than kept (most of them).
+    assert peak - kept < 3 * largest, (peak, kept, largest, total)
+    assert to_flat(loaded.params).keys() == to_flat(model.params).keys()
