@@ -68,3 +68,24 @@ def pytest_runtest_teardown(item, nextitem):
 
         jax.clear_caches()
         gc.collect()
+
+
+# The files that take longest run first: `-n 2 --dist loadfile` hands each worker whole
+# files in collection order (xdist would otherwise order them by test count), so the two
+# workers finish together instead of one waiting on the other's last long file.
+_LONGEST_FIRST = ("test_sharding.py", "test_step.py", "test_golden.py", "test_launch.py",
+                  "test_reliability.py", "test_draft_vocab.py", "test_quant.py",
+                  "test_kv_cache.py", "test_generate_cli.py")
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def rank(item):
+        name = os.path.basename(str(item.fspath))
+        return _LONGEST_FIRST.index(name) if name in _LONGEST_FIRST else len(_LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the order within a file is kept
