@@ -1,21 +1,37 @@
-"""Warm starts: JAX's persistent compilation cache, on by default.
+"""Warm starts: JAX's persistent compilation cache and saved executables, on by default.
 
 Every `generate` / `evaluate` run and every `Engine` compiles the same programs for the
 same model and engine shapes; with the cache the second run loads them from disk instead
 of compiling again. The folder is `--compile-cache` (`enable(path)`), else
 `$MTP_JAX_COMPILE_CACHE`, else `<user cache dir>/mtp_jax/jax-<jax version>`
-(`$XDG_CACHE_HOME` or `~/.cache`); the value `off` disables it for the process. A cache folder the user already gave JAX (`jax_compilation_cache_dir`)
-is left as it is. Programs whose executables JAX cannot serialize (host callbacks, e.g.
-Pallas interpret mode) are simply compiled each time.
+(`$XDG_CACHE_HOME` or `~/.cache`); the value `off` disables it for the process. A cache
+folder the user already gave JAX (`jax_compilation_cache_dir`) is left as it is. Programs
+whose executables JAX cannot serialize (host callbacks, e.g. Pallas interpret mode) are
+simply compiled each time.
 
-`CacheStats` counts hits and misses from JAX's own monitoring events, for run summaries.
+JAX's cache saves XLA's work, but finding a program in it still means tracing the program
+and lowering it to compute its key: most of a warm start on CPU. So an engine on one
+device also keeps each program's executable whole (`ExecutableStore`, the folder's
+`executables/`), keyed by everything the program is built from: this package's and
+`pallas_kernels`' source, the jax / jaxlib versions, the device, `XLA_FLAGS`, the kernel
+back-end switches (`MTP_JAX_*_BACKEND`) and jax options read while tracing, the program's
+name, the engine's static configuration, the model's graph and the arguments' shapes,
+dtypes and placement. A later engine with the same key loads the executable and calls it:
+no tracing, lowering or compiling. What cannot be saved or loaded (a host callback, a file
+from another jaxlib) is compiled as before.
+
+`CacheStats` counts hits and misses from JAX's own monitoring events, and the executables
+loaded and saved, for run summaries.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
+import pickle
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 
@@ -23,7 +39,7 @@ ENV_VAR = "MTP_JAX_COMPILE_CACHE"
 OFF = ("off", "0", "false", "none", "no")
 
 _lock = threading.Lock()
-_counts = {"hits": 0, "misses": 0}
+_counts = {"hits": 0, "misses": 0, "loaded": 0, "saved": 0}
 _listening = False
 _disabled = False
 
@@ -83,24 +99,152 @@ def add_compile_cache_option(parser) -> None:
 
 
 class CacheStats:
-    """Persistent-cache hits and misses since this object was made."""
+    """Persistent-cache hits and misses, executables loaded and saved, since this object
+    was made."""
 
     def __init__(self):
         self._start = dict(_counts)
 
+    def _since(self, name: str) -> int:
+        return _counts[name] - self._start[name]
+
     @property
     def hits(self) -> int:
-        return _counts["hits"] - self._start["hits"]
+        return self._since("hits")
 
     @property
     def misses(self) -> int:
-        return _counts["misses"] - self._start["misses"]
+        return self._since("misses")
+
+    @property
+    def loaded(self) -> int:
+        """Programs whose executables were loaded whole (nothing traced)."""
+        return self._since("loaded")
+
+    @property
+    def saved(self) -> int:
+        return self._since("saved")
 
     def __str__(self) -> str:
         folder = jax.config.jax_compilation_cache_dir
         if not folder:
             return "compile cache off"
-        return f"compile cache {self.hits} hits / {self.misses} misses ({folder})"
+        return (f"compile cache {self.hits} hits / {self.misses} misses, executables "
+                f"{self.loaded} loaded / {self.saved} saved ({folder})")
 
 
-__all__ = ["ENV_VAR", "CacheStats", "add_compile_cache_option", "default_dir", "enable"]
+# ------------------------------------------------------------------ saved executables
+_FORMAT = 1  # bump when what is saved, or how the key is made, changes
+
+
+@functools.cache
+def _source_digest() -> str:
+    """The source of this package and of pallas_kernels: a changed line changes every key."""
+    import pallas_kernels
+
+    h = hashlib.sha256()
+    for pkg in (os.path.dirname(os.path.abspath(__file__)),
+                os.path.dirname(os.path.abspath(pallas_kernels.__file__))):
+        for name in sorted(os.listdir(pkg)):
+            if name.endswith(".py"):
+                with open(os.path.join(pkg, name), "rb") as f:
+                    h.update(name.encode() + b"\0" + f.read() + b"\0")
+    return h.hexdigest()
+
+
+def _environment() -> str:
+    """What else shapes a traced or compiled program: versions, device, flags, switches."""
+    import jaxlib
+
+    dev = jax.devices()[0]
+    switches = sorted((k, v) for k, v in os.environ.items()  # the kernel back-end choices
+                      if k.startswith("MTP_JAX_") and k.endswith("_BACKEND"))
+    options = [(name, getattr(jax.config, name, None)) for name in (
+        "jax_enable_x64", "jax_default_matmul_precision", "jax_numpy_rank_promotion",
+        "jax_default_prng_impl", "jax_threefry_partitionable")]
+    return repr((_FORMAT, _source_digest(), jax.__version__, jaxlib.__version__,
+                 dev.platform, dev.device_kind, dev.client.platform_version,
+                 os.environ.get("XLA_FLAGS", ""), switches, options))
+
+
+def _signature(args) -> str:
+    leaves, tree = jax.tree_util.tree_flatten(args)
+
+    def leaf(x):
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            sharding = getattr(x, "sharding", None)
+            return (tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False)),
+                    type(x).__name__, repr(sharding) if sharding is not None else None)
+        return (type(x).__name__,)  # a Python scalar: weakly typed, traced by its type
+
+    return repr((str(tree), [leaf(x) for x in leaves]))
+
+
+class ExecutableStore:
+    """Compiled programs saved whole in `folder`, loaded without tracing (module doc).
+
+    `context` names what the program was traced from beyond its arguments (the engine's
+    static configuration and the model's graph); the store adds the environment."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self._env = _environment()
+
+    def key(self, name: str, context: str, args) -> str:
+        text = "\0".join((self._env, name, context, _signature(args)))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def get(self, jitted, name: str, context: str, args) -> Callable:
+        """The executable of `jitted(*args)`: loaded if saved before, else compiled (through
+        JAX's own cache) and saved."""
+        from jax.experimental import serialize_executable
+
+        path = os.path.join(self.folder, self.key(name, context, args) + ".bin")
+        try:
+            with open(path, "rb") as f:
+                blob, in_tree, out_tree = pickle.load(f)
+            compiled = serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
+        except FileNotFoundError:
+            pass
+        except Exception:  # noqa: BLE001 (damaged, or from another jaxlib: compile again)
+            pass
+        else:
+            with _lock:
+                _counts["loaded"] += 1
+            return compiled
+        compiled = jitted.lower(*args).compile()
+        try:
+            data = pickle.dumps(serialize_executable.serialize(compiled))
+        except Exception:  # noqa: BLE001 (host callbacks, constants: not serializable)
+            return compiled
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)  # whole or not at all, whoever else writes it
+        except OSError:
+            return compiled  # a read-only cache folder: run without saving
+        with _lock:
+            _counts["saved"] += 1
+        return compiled
+
+
+def executable_store() -> Optional[ExecutableStore]:
+    """The store of this process's cache folder; None when the cache is off or the process
+    is one of several (multi-host programs are not saved)."""
+    folder = jax.config.jax_compilation_cache_dir
+    if not folder or jax.process_count() > 1:
+        return None
+    folder = os.path.join(folder, "executables")
+    with _lock:
+        if _stores.get(folder) is None:
+            _stores[folder] = ExecutableStore(folder)
+        return _stores[folder]
+
+
+_stores: dict = {}
+
+
+__all__ = ["ENV_VAR", "CacheStats", "ExecutableStore", "add_compile_cache_option",
+           "default_dir", "enable", "executable_store"]

@@ -517,7 +517,9 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     log(str(cache))
-    report["compile_cache"] = {"hits": cache.hits, "misses": cache.misses}
+    report["compile_cache"] = {"hits": cache.hits, "misses": cache.misses,
+                               "executables_loaded": cache.loaded,
+                               "executables_saved": cache.saved}
     if "teacher_forced" in report:
         print(format_tf_table(report["teacher_forced"]))
     else:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 from typing import Optional
 
 import flax.struct
@@ -38,6 +39,7 @@ from jax.sharding import Mesh
 
 from pallas_kernels.shift_draft_inputs import shift_draft_inputs
 
+from . import compile_cache
 from .config import EngineConfig, ModelConfig, SpecConfig
 from .drafting import draft, mtp_prefill
 from .kv_cache import KVLayout, PagedKV, init_caches
@@ -466,12 +468,47 @@ def prefill_finish(model, s: Static, st: DecodeState, slots, logits, prompt_len)
 
 
 # ---------------------------------------------------------------------------- programs
+class Program:
+    """One engine program: its jitted function, or on one device with the compile cache
+    on, its executables loaded from or saved to the cache folder
+    (`compile_cache.ExecutableStore`): a warm start calls them without tracing. One
+    executable per signature of the leaf arguments (the prefill row counts); a call whose
+    params or state differ from the executable's (the executable refuses it before running)
+    finds or compiles its own."""
+
+    def __init__(self, jitted, name: str, store, context: str):
+        self.jitted, self.name, self.store, self.context = jitted, name, store, context
+        self._by_args: dict = {}
+
+    def __call__(self, *args):
+        if self.store is None:
+            return self.jitted(*args)
+        sig = tuple((type(x), getattr(x, "shape", None), getattr(x, "dtype", None),
+                     getattr(x, "weak_type", None))
+                    for a in args if not isinstance(a, (dict, nnx.State, DecodeState))
+                    for x in jax.tree_util.tree_leaves(a))
+        fn = self._by_args.get(sig)
+        if fn is None:
+            fn = self._by_args[sig] = self.store.get(self.jitted, self.name, self.context, args)
+        try:
+            return fn(*args)
+        except TypeError:  # other params or state than this executable's: nothing ran
+            fn = self.store.get(self.jitted, self.name, self.context, args)
+            self._by_args[sig] = fn
+            return fn(*args)
+
+    def _cache_size(self) -> int:
+        return self.jitted._cache_size() + len(self._by_args)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Programs:
     """The jitted programs for one static configuration (state donated everywhere).
 
     With a mesh, `state_sharding` / `params_sharding` pin the shardings of inputs and
     outputs so a program's output feeds the next call without a reshard or recompile.
+    Without one, each program keeps its executables in the compile cache's store when the
+    cache is on (`Program`).
     """
 
     static: Static
@@ -482,8 +519,17 @@ class Programs:
     def _merge(self, params):
         return nnx.merge(self.graphdef, params)
 
-    def _jit(self, fn, n_extra: int, *, with_params=True, logits=False):
-        """jit fn([params,] st, *extra) -> state (or (state, logits)), state donated."""
+    @functools.cached_property
+    def _store(self):
+        return None if self.static.mesh is not None else compile_cache.executable_store()
+
+    @functools.cached_property
+    def _context(self) -> str:
+        """What the programs are traced from besides their arguments, for the store's keys."""
+        return hashlib.sha256(repr((self.static, self.graphdef)).encode()).hexdigest()
+
+    def _jit(self, fn, n_extra: int, *, name: str, with_params=True, logits=False):
+        """fn([params,] st, *extra) -> state (or (state, logits)), state donated."""
         kw = {}
         if self.state_sharding is not None:
             ins = (self.params_sharding,) if with_params else ()
@@ -497,14 +543,16 @@ class Programs:
             with use_mesh(mesh):
                 return fn(*args)
 
-        return jax.jit(traced, donate_argnums=(1 if with_params else 0,), **kw)
+        jitted = jax.jit(traced, donate_argnums=(1 if with_params else 0,), **kw)
+        store = self._store
+        return jitted if store is None else Program(jitted, name, store, self._context)
 
     @functools.cache
     def steps(self, kind: int):
         """The multi-step program of one step kind (drafts verified per step)."""
         def f(params, st, num_steps):
             return run_steps(self._merge(params), self.static, st, num_steps, kind)
-        return self._jit(f, 1)
+        return self._jit(f, 1, name=f"steps{kind}")
 
     @property
     def run_steps(self):
@@ -513,15 +561,17 @@ class Programs:
 
     @functools.cached_property
     def admit(self):
-        return self._jit(functools.partial(admit, self.static), 13, with_params=False)
+        return self._jit(functools.partial(admit, self.static), 13, name="admit",
+                         with_params=False)
 
     @functools.cached_property
     def release(self):
-        return self._jit(release, 1, with_params=False)
+        return self._jit(release, 1, name="release", with_params=False)
 
     @functools.cached_property
     def grow(self):
-        return self._jit(functools.partial(grow, self.static), 4, with_params=False)
+        return self._jit(functools.partial(grow, self.static), 4, name="grow",
+                         with_params=False)
 
     # The prefill programs take a batch of r requests (slots [r], per-row int32 arrays):
     # one compile per chunk length and row count.
@@ -532,27 +582,27 @@ class Programs:
         def f(params, st, slots, start, valid, logits, history_end):
             return prefill_target(self._merge(params), self.static, st, slots, start, valid,
                                   logits, chunk, history_end)
-        return self._jit(f, 5, logits=True)
+        return self._jit(f, 5, name=f"prefill_target{chunk}", logits=True)
 
     @functools.cache
     def prefill_mtp(self, chunk: int):
         def f(params, st, slots, start, history_end):
             return prefill_mtp(self._merge(params), self.static, st, slots, start, history_end,
                                chunk)
-        return self._jit(f, 3)
+        return self._jit(f, 3, name=f"prefill_mtp{chunk}")
 
     @functools.cached_property
     def prefill_finish(self):
         def f(params, st, slots, logits, prompt_len):
             return prefill_finish(self._merge(params), self.static, st, slots, logits,
                                   prompt_len)
-        return self._jit(f, 3)
+        return self._jit(f, 3, name="prefill_finish")
 
 
 def programs(static: Static, graphdef, state_sharding=None, params_sharding=None) -> Programs:
     return Programs(static, graphdef, state_sharding, params_sharding)
 
 
-__all__ = ["DecodeState", "SamplingState", "Static", "Programs", "programs", "init_state",
-           "decode_step", "run_steps", "FINISH_NONE", "FINISH_STOP", "FINISH_LENGTH",
-           "FINISH_ERROR"]
+__all__ = ["DecodeState", "SamplingState", "Static", "Program", "Programs", "programs",
+           "init_state", "decode_step", "run_steps", "FINISH_NONE", "FINISH_STOP",
+           "FINISH_LENGTH", "FINISH_ERROR"]

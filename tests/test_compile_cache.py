@@ -1,0 +1,129 @@
+"""Saved executables (compile_cache.ExecutableStore): a warm engine loads its programs
+whole and decodes exactly as a cold one; keys change with whatever shaped the program;
+damaged or unsaveable entries are compiled again.
+
+The suite runs with the compile cache off; these tests give each engine a store of their
+own in tmp_path (test_generate_cli checks the CLI's warm start end to end).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtp_jax import compile_cache
+from mtp_jax.compile_cache import CacheStats, ExecutableStore
+from mtp_jax.config import EngineConfig, SamplingParams, SpecConfig
+from mtp_jax.engine import Engine, Request
+from mtp_jax.reference import generate_reference
+from mtp_jax.step import Program
+
+from spec_models import markov_model
+
+
+def _double(x):
+    return x * 2 + 1
+
+
+def test_program_saves_one_executable_per_signature_and_a_new_store_loads_them(tmp_path):
+    store = ExecutableStore(str(tmp_path))
+    stats = CacheStats()
+    cold = Program(jax.jit(_double), "double", store, "ctx")
+    a, b = np.arange(3, dtype=np.float32), np.arange(4, dtype=np.float32)
+    np.testing.assert_array_equal(cold(a), a * 2 + 1)
+    np.testing.assert_array_equal(cold(b), b * 2 + 1)
+    np.testing.assert_array_equal(cold(a), a * 2 + 1)  # kept: not fetched again
+    assert (stats.loaded, stats.saved) == (0, 2) and cold._cache_size() == 2
+    assert len(os.listdir(tmp_path)) == 2
+    warm = Program(jax.jit(_double), "double", ExecutableStore(str(tmp_path)), "ctx")
+    np.testing.assert_array_equal(warm(b), b * 2 + 1)
+    np.testing.assert_array_equal(warm(a), a * 2 + 1)
+    assert (stats.loaded, stats.saved) == (2, 2)
+    assert warm.jitted._cache_size() == 0  # nothing traced
+
+
+def test_keys_follow_name_context_arguments_and_switches(tmp_path, monkeypatch):
+    store = ExecutableStore(str(tmp_path))
+    x = (jnp.zeros((2, 3), jnp.float32), 4)
+    base = store.key("p", "ctx", x)
+    assert base == ExecutableStore(str(tmp_path)).key("p", "ctx", x)
+    others = [store.key("q", "ctx", x), store.key("p", "ctx2", x),
+              store.key("p", "ctx", (jnp.zeros((2, 4), jnp.float32), 4)),
+              store.key("p", "ctx", (jnp.zeros((2, 3), jnp.bfloat16), 4)),
+              store.key("p", "ctx", (jnp.zeros((2, 3), jnp.float32), 4.0)),
+              store.key("p", "ctx", (jnp.zeros((2, 3), jnp.float32), jnp.int32(4)))]
+    monkeypatch.setenv("MTP_JAX_ATTENTION_BACKEND", "reference")  # read while tracing
+    others.append(ExecutableStore(str(tmp_path)).key("p", "ctx", x))
+    assert len({base, *others}) == len(others) + 1
+
+
+def test_damaged_entry_is_compiled_again_and_rewritten(tmp_path):
+    store = ExecutableStore(str(tmp_path))
+    x = np.arange(5, dtype=np.float32)
+    Program(jax.jit(_double), "double", store, "ctx")(x)
+    (path,) = [tmp_path / f for f in os.listdir(tmp_path)]
+    path.write_bytes(path.read_bytes()[:100])
+    stats = CacheStats()
+    np.testing.assert_array_equal(Program(jax.jit(_double), "double", store, "ctx")(x),
+                                  x * 2 + 1)
+    assert (stats.loaded, stats.saved) == (0, 1)
+    Program(jax.jit(_double), "double", store, "ctx")(x)
+    assert stats.loaded == 1
+
+
+def test_program_with_a_host_callback_runs_unsaved(tmp_path):
+    def f(x):
+        return jax.pure_callback(lambda v: np.asarray(v) + 1, jax.ShapeDtypeStruct(x.shape,
+                                 x.dtype), x)
+
+    stats = CacheStats()
+    x = np.arange(3, dtype=np.float32)
+    for _ in range(2):
+        store = ExecutableStore(str(tmp_path))
+        np.testing.assert_array_equal(Program(jax.jit(f), "cb", store, "ctx")(x), x + 1)
+    assert stats.saved == stats.loaded  # whatever this jaxlib can save, it loads back
+
+
+def test_warm_engine_loads_every_program_and_decodes_the_same(tmp_path, monkeypatch):
+    """Two engines over one store: the first compiles and saves its programs, the second
+    (a new process would be the same: nothing is shared but the folder) loads them all,
+    traces nothing, and both give the reference's greedy tokens, speculation included."""
+    monkeypatch.setattr(compile_cache, "executable_store",
+                        lambda: ExecutableStore(str(tmp_path)))
+    model = markov_model("mimo", target_noise=0.5, mtp_noise=0.2, vocab=64, seed=4)
+    cfg = EngineConfig(max_batch=2, max_model_len=64, page_size=8, prefill_chunk=16,
+                       steps_per_dispatch=3)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 64, size=n).tolist() for n in (5, 21, 9)]
+    want = [generate_reference(model, p, SamplingParams(max_tokens=12), max_len=64)[0]
+            for p in prompts]
+    got, stats = [], []
+    for _ in range(2):
+        s = CacheStats()
+        eng = Engine(model, SpecConfig(method="chain", num_speculative_tokens=2), cfg)
+        eng.warmup()
+        res = eng.generate([Request(i, p, SamplingParams(max_tokens=12))
+                            for i, p in enumerate(prompts)])
+        got.append([r.token_ids for r in res])
+        stats.append((s.loaded, s.saved))
+        traced = sum(getattr(eng.progs, n).jitted._cache_size()
+                     for n in ("admit", "release", "grow", "prefill_finish"))
+        traced += sum(eng.progs.steps(k).jitted._cache_size() for k in eng.static.kinds)
+    assert got[0] == want and got[1] == want
+    (loaded0, saved0), (loaded1, saved1) = stats
+    assert loaded0 == 0 and saved0 >= 5, stats
+    assert loaded1 == saved0 and saved1 == 0, stats
+    assert traced == 0  # the warm engine's programs ran from loaded executables only
+    assert all(eng.cache_sizes().values())
+
+
+def test_store_is_off_with_the_cache_off():
+    assert jax.config.jax_compilation_cache_dir in (None, "")  # the suite's setting
+    assert compile_cache.executable_store() is None
+    model = markov_model("mimo", target_noise=0.5, mtp_noise=0.2, vocab=64, seed=4)
+    eng = Engine(model, SpecConfig(method="none", num_speculative_tokens=0),
+                 EngineConfig(max_batch=2, max_model_len=64, page_size=8, prefill_chunk=16))
+    assert not isinstance(eng.progs.admit, Program)
