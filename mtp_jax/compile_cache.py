@@ -18,7 +18,8 @@ back-end switches (`MTP_JAX_*_BACKEND`) and jax options read while tracing, the 
 name, the engine's static configuration, the model's graph and the arguments' shapes,
 dtypes and placement. A later engine with the same key loads the executable and calls it:
 no tracing, lowering or compiling. What cannot be saved or loaded (a host callback, a file
-from another jaxlib) is compiled as before.
+from another jaxlib) is compiled as before. The saved files are native code loaded
+and run (as JAX's own cache entries are): the folder must be one only the user writes.
 
 `CacheStats` counts hits and misses from JAX's own monitoring events, and the executables
 loaded and saved, for run summaries.
