@@ -469,9 +469,9 @@ def prefill_finish(model, s: Static, st: DecodeState, slots, logits, prompt_len)
 
 # ---------------------------------------------------------------------------- programs
 class Program:
-    """One engine program: its jitted function, or on one device with the compile cache
-    on, its executables loaded from or saved to the cache folder
-    (`compile_cache.ExecutableStore`): a warm start calls them without tracing. One
+    """One engine program on one device with the compile cache on: its executables,
+    loaded from or saved to the cache folder (`compile_cache.ExecutableStore`), so a warm
+    start calls them without tracing (otherwise programs are plain jitted functions). One
     executable per signature of the leaf arguments (the prefill row counts); a call whose
     params or state differ from the executable's (the executable refuses it before running)
     finds or compiles its own."""
@@ -481,8 +481,6 @@ class Program:
         self._by_args: dict = {}
 
     def __call__(self, *args):
-        if self.store is None:
-            return self.jitted(*args)
         sig = tuple((type(x), getattr(x, "shape", None), getattr(x, "dtype", None),
                      getattr(x, "weak_type", None))
                     for a in args if not isinstance(a, (dict, nnx.State, DecodeState))
