@@ -172,14 +172,12 @@ class Engine:
         self.static = Static(model.config, spec, eng, self.layout, mesh)
         if mesh is None:
             self.progs = programs(self.static, model.graphdef)
-            self._init_state = functools.partial(init_state, self.static, model.dtype)
         else:
             shape = jax.eval_shape(lambda: init_state(self.static, model.dtype))
             st_sh = state_shardings(shape, mesh, eng.max_batch)
             p_sh = jax.tree_util.tree_map(lambda x: x.sharding, model.params)
             self.progs = programs(self.static, model.graphdef, st_sh, p_sh)
-            self._init_state = jax.jit(lambda: init_state(self.static, model.dtype),
-                                       out_shardings=st_sh)
+        self._init_state = self.progs.init(model.dtype)
         self.state = self._init_state()
         self.alloc = PageAllocator(self.layout)
         self.slots: list[Optional[_Live]] = [None] * eng.max_batch

@@ -546,6 +546,16 @@ class Programs:
         return jitted if store is None else Program(jitted, name, store, self._context)
 
     @functools.cache
+    def init(self, dtype):
+        """The program that makes a fresh state: one compile, where building the state op by
+        op would compile each of its small operations."""
+        kw = {} if self.state_sharding is None else {"out_shardings": self.state_sharding}
+        jitted = jax.jit(lambda: init_state(self.static, dtype), **kw)
+        store = self._store
+        return jitted if store is None else Program(
+            jitted, f"init_state_{jnp.dtype(dtype).name}", store, self._context)
+
+    @functools.cache
     def steps(self, kind: int):
         """The multi-step program of one step kind (drafts verified per step)."""
         def f(params, st, num_steps):
