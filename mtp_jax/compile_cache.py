@@ -205,9 +205,7 @@ class ExecutableStore:
             with open(path, "rb") as f:
                 blob, in_tree, out_tree = pickle.load(f)
             compiled = serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
-        except FileNotFoundError:
-            pass
-        except Exception:  # noqa: BLE001 (damaged, or from another jaxlib: compile again)
+        except Exception:  # noqa: BLE001 (not saved yet, damaged, from another jaxlib)
             pass
         else:
             with _lock:
@@ -218,14 +216,18 @@ class ExecutableStore:
             data = pickle.dumps(serialize_executable.serialize(compiled))
         except Exception:  # noqa: BLE001 (host callbacks, constants: not serializable)
             return compiled
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             os.makedirs(self.folder, exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
             with open(tmp, "wb") as f:
                 f.write(data)
             os.replace(tmp, path)  # whole or not at all, whoever else writes it
-        except OSError:
-            return compiled  # a read-only cache folder: run without saving
+        except OSError:  # a read-only or full cache folder: run without saving
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+            return compiled
         with _lock:
             _counts["saved"] += 1
         return compiled

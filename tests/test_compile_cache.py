@@ -74,6 +74,17 @@ def test_damaged_entry_is_compiled_again_and_rewritten(tmp_path):
     assert stats.loaded == 1
 
 
+def test_unwritable_folder_runs_without_saving(tmp_path):
+    (tmp_path / "file").write_text("")  # a folder under a file cannot be made
+    store = ExecutableStore(str(tmp_path / "file" / "executables"))
+    stats = CacheStats()
+    x = np.arange(3, dtype=np.float32)
+    np.testing.assert_array_equal(Program(jax.jit(_double), "double", store, "ctx")(x),
+                                  x * 2 + 1)
+    assert (stats.loaded, stats.saved) == (0, 0)
+    assert os.listdir(tmp_path) == ["file"]
+
+
 def test_program_with_a_host_callback_runs_unsaved(tmp_path):
     def f(x):
         return jax.pure_callback(lambda v: np.asarray(v) + 1, jax.ShapeDtypeStruct(x.shape,
