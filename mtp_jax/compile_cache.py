@@ -109,22 +109,10 @@ class CacheStats:
     def _since(self, name: str) -> int:
         return _counts[name] - self._start[name]
 
-    @property
-    def hits(self) -> int:
-        return self._since("hits")
-
-    @property
-    def misses(self) -> int:
-        return self._since("misses")
-
-    @property
-    def loaded(self) -> int:
-        """Programs whose executables were loaded whole (nothing traced)."""
-        return self._since("loaded")
-
-    @property
-    def saved(self) -> int:
-        return self._since("saved")
+    hits = property(lambda self: self._since("hits"))
+    misses = property(lambda self: self._since("misses"))
+    loaded = property(lambda self: self._since("loaded"))  # executables loaded whole
+    saved = property(lambda self: self._since("saved"))
 
     def __str__(self) -> str:
         folder = jax.config.jax_compilation_cache_dir
@@ -233,6 +221,9 @@ class ExecutableStore:
         return compiled
 
 
+_stores: dict = {}  # folder -> ExecutableStore
+
+
 def executable_store() -> Optional[ExecutableStore]:
     """The store of this process's cache folder; None when the cache is off or the process
     is one of several (multi-host programs are not saved)."""
@@ -244,9 +235,6 @@ def executable_store() -> Optional[ExecutableStore]:
         if _stores.get(folder) is None:
             _stores[folder] = ExecutableStore(folder)
         return _stores[folder]
-
-
-_stores: dict = {}
 
 
 __all__ = ["ENV_VAR", "CacheStats", "ExecutableStore", "add_compile_cache_option",

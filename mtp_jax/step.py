@@ -541,7 +541,11 @@ class Programs:
             with use_mesh(mesh):
                 return fn(*args)
 
-        jitted = jax.jit(traced, donate_argnums=(1 if with_params else 0,), **kw)
+        return self._stored(jax.jit(traced, donate_argnums=(1 if with_params else 0,), **kw),
+                            name)
+
+    def _stored(self, jitted, name: str):
+        """`jitted`, or its `Program` over the executable store when there is one."""
         store = self._store
         return jitted if store is None else Program(jitted, name, store, self._context)
 
@@ -550,10 +554,8 @@ class Programs:
         """The program that makes a fresh state: one compile, where building the state op by
         op would compile each of its small operations."""
         kw = {} if self.state_sharding is None else {"out_shardings": self.state_sharding}
-        jitted = jax.jit(lambda: init_state(self.static, dtype), **kw)
-        store = self._store
-        return jitted if store is None else Program(
-            jitted, f"init_state_{jnp.dtype(dtype).name}", store, self._context)
+        return self._stored(jax.jit(lambda: init_state(self.static, dtype), **kw),
+                            f"init_state_{jnp.dtype(dtype).name}")
 
     @functools.cache
     def steps(self, kind: int):
