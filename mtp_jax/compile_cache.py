@@ -17,7 +17,8 @@ device also keeps each program's executable whole (`ExecutableStore`, the folder
 back-end switches (`MTP_JAX_*_BACKEND`) and jax options read while tracing, the program's
 name, the engine's static configuration, the model's graph and the arguments' shapes,
 dtypes and placement. A later engine with the same key loads the executable and calls it:
-no tracing, lowering or compiling. What cannot be saved or loaded (a host callback, a file
+no tracing, lowering or compiling. What the store saves it compiles itself, past JAX's
+cache (`_compile_fresh` says why). What cannot be saved or loaded (a host callback, a file
 from another jaxlib) is compiled as before. The saved files are native code loaded
 and run (as JAX's own cache entries are): the folder must be one only the user writes.
 
@@ -184,8 +185,8 @@ class ExecutableStore:
         return hashlib.sha256(text.encode()).hexdigest()
 
     def get(self, jitted, name: str, context: str, args) -> Callable:
-        """The executable of `jitted(*args)`: loaded if saved before, else compiled (through
-        JAX's own cache) and saved."""
+        """The executable of `jitted(*args)`: loaded if saved before, else compiled (not
+        through JAX's own cache, see _compile_fresh) and saved."""
         from jax.experimental import serialize_executable
 
         path = os.path.join(self.folder, self.key(name, context, args) + ".bin")
@@ -199,7 +200,7 @@ class ExecutableStore:
             with _lock:
                 _counts["loaded"] += 1
             return compiled
-        compiled = jitted.lower(*args).compile()
+        compiled = _compile_fresh(jitted.lower(*args))
         try:
             data = pickle.dumps(serialize_executable.serialize(compiled))
         except Exception:  # noqa: BLE001 (host callbacks, constants: not serializable)
@@ -219,6 +220,26 @@ class ExecutableStore:
         with _lock:
             _counts["saved"] += 1
         return compiled
+
+
+def _compile_fresh(lowered):
+    """lowered.compile() by XLA itself, with JAX's persistent cache out of the way.
+
+    An executable that JAX loaded from its cache serializes into one that cannot run on
+    CPU (jaxlib 0.10.2: loaded in any process, its first call fails with `NOT_FOUND:
+    Function ... not found`), so what the store saves must be compiled here. The store
+    holds these programs, so JAX's cache does not need them either."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    was = jax.config.jax_enable_compilation_cache
+    with _lock:
+        jax.config.update("jax_enable_compilation_cache", False)
+        compilation_cache.reset_cache()  # JAX decides once whether its cache is used
+        try:
+            return lowered.compile()
+        finally:
+            jax.config.update("jax_enable_compilation_cache", was)
+            compilation_cache.reset_cache()
 
 
 _stores: dict = {}  # folder -> ExecutableStore

@@ -74,6 +74,45 @@ def test_damaged_entry_is_compiled_again_and_rewritten(tmp_path):
     assert stats.loaded == 1
 
 
+def _broadcast_sum(x, n):
+    z = jnp.zeros((n.shape[0], 8), jnp.float32) + x[:, None]
+    return jnp.broadcast_to(z.sum(1), (3, x.shape[0])) * 2
+
+
+def test_program_in_jax_cache_but_not_in_the_store_saves_a_runnable_executable(tmp_path):
+    """After an upgrade the store misses while JAX's own cache still holds the program.
+    An executable loaded from JAX's cache and serialized again cannot run on CPU (its
+    first call fails with NOT_FOUND), so the store compiles what it saves itself."""
+    before = {o: getattr(jax.config, o) for o in (
+        "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes")}
+    from jax.experimental.compilation_cache import compilation_cache
+
+    x, n = np.arange(5, dtype=np.float32), np.zeros(5, np.int32)
+    want = np.broadcast_to((x * 8)[None], (3, 5)) * 2
+    try:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+        compilation_cache.reset_cache()
+        jax.jit(_broadcast_sum)(x, n)  # JAX's cache now holds the program
+        assert os.listdir(tmp_path / "jax")
+        jax.clear_caches()
+        stats = CacheStats()
+        cold = Program(jax.jit(_broadcast_sum), "bsum", ExecutableStore(str(tmp_path / "ex")),
+                       "ctx")
+        np.testing.assert_array_equal(cold(x, n), want)
+        jax.clear_caches()
+        warm = Program(jax.jit(_broadcast_sum), "bsum", ExecutableStore(str(tmp_path / "ex")),
+                       "ctx")
+        np.testing.assert_array_equal(warm(x, n), want)
+        assert (stats.saved, stats.loaded) == (1, 1)
+    finally:
+        for o, v in before.items():
+            jax.config.update(o, v)
+        compilation_cache.reset_cache()
+
+
 def test_unwritable_folder_runs_without_saving(tmp_path):
     (tmp_path / "file").write_text("")  # a folder under a file cannot be made
     store = ExecutableStore(str(tmp_path / "file" / "executables"))
