@@ -14,7 +14,9 @@ per kind and, between dispatches, this controller picks the kind of the next one
   the nearest measured kind: the step programs have fixed shapes, so the dummy slot does
   all of a real step's work but the attention over long contexts, and the ratios between
   kinds hold (on the shipped model on a CPU: warmup 18 / 29 / 40 / 51 ms for K = 0..3,
-  the job 21 / 34 / - / 60). Without a prior, kinds between measured ones are
+  the job 21 / 34 / - / 60). The same ratios also bound a kind timed earlier from below:
+  steps slow down as contexts grow, so a kind's old timing is raised to what a kind
+  timed since implies for it. Without a prior, kinds between measured ones are
   interpolated (each draft adds about the same);
 - acceptance: r_d, the share of verified depth-d drafts that were accepted (which
   includes the acceptance of every earlier depth), from decayed counts, so a kind k is
@@ -91,16 +93,25 @@ class KController:
         return 1.0 + float(np.sum(self.rates()[:k]))
 
     def estimated_cost(self, k: int) -> Optional[float]:
-        """Seconds per step of kind k: measured; else the warmup prior scaled by the
-        nearest measured kind's timing; else interpolated between 0 and K."""
-        if self.cost[k] is not None:
-            return self.cost[k]
+        """Seconds per step of kind k: measured (and with a prior, at least what the kind
+        measured since implies for it); else the warmup prior scaled by the nearest
+        measured kind's timing; else interpolated between 0 and K."""
         if self.prior_cost is not None:
             known = [j for j in range(self.k_max + 1) if self.cost[j] is not None]
             if not known:
                 return None
-            j = min(known, key=lambda j: (abs(j - k), -j))
-            return self.prior_cost[k] * self.cost[j] / self.prior_cost[j]
+            if self.cost[k] is None:
+                j = min(known, key=lambda j: (abs(j - k), -j))
+                return self.prior_cost[k] * self.estimated_cost(j) / self.prior_cost[j]
+            # Steps grow slower as the contexts grow, so a kind timed early (the short
+            # first measurement of K, on the prompts alone) looks cheaper than it is now.
+            latest = max(known, key=lambda j: self.measured[j])
+            if self.measured[latest] > self.measured[k]:
+                return max(self.cost[k],
+                           self.prior_cost[k] * self.cost[latest] / self.prior_cost[latest])
+            return self.cost[k]
+        if self.cost[k] is not None:
+            return self.cost[k]
         lo, hi = self.cost[0], self.cost[self.k_max]
         return None if lo is None or hi is None else lo + (hi - lo) * k / self.k_max
 

@@ -93,6 +93,30 @@ def test_controller_with_a_warmup_prior_times_zero_only_when_it_may_win():
         KController(3, prior_cost=[1.0, 0.0, 1.0, 1.0])
 
 
+def test_controller_raises_an_early_timing_to_what_later_ones_imply():
+    # K's first measurement ran on the prompts alone (51 ms a step); K=1, timed later at
+    # longer contexts, costs 42 ms, and warmup says K=3 costs 1.76x K=1: K=3 now costs
+    # about 74 ms, not 51, and K=1 (fewer tokens a step, but cheaper) is the better kind
+    prior = [0.018, 0.029, 0.040, 0.051]
+    ctl = KController(3, prior_cost=prior)
+    assert ctl.choose() == 3
+    ctl.update(3, 2 * 0.051, 2, [58, 40, 30], [64, 64, 64])
+    ctl.update(1, 32 * 0.042, 32, [480, 0, 0], [512, 0, 0])
+    assert ctl.estimated_cost(3) == pytest.approx(0.042 * 0.051 / 0.029)
+    assert ctl.estimated_cost(1) == pytest.approx(0.042)
+    assert ctl.estimated_cost(2) == pytest.approx(0.042 * 0.040 / 0.029)  # from K's, raised
+    assert ctl.best() == 1  # 45 tokens/s a row, against 43 (K=2) and 40 (K=3)
+    # only ever raised: an early timing above what the later one implies stands
+    ctl = KController(3, prior_cost=prior)
+    ctl.update(3, 2 * 0.09, 2, [58, 52, 48], [64, 64, 64])
+    ctl.update(1, 32 * 0.042, 32, [480, 0, 0], [512, 0, 0])
+    assert ctl.estimated_cost(3) == pytest.approx(0.09)
+    # and the kind timed last is taken as measured
+    ctl.update(3, 4 * 0.06, 4, [58, 52, 48], [64, 64, 64])
+    assert ctl.estimated_cost(3) == pytest.approx(0.06)
+    assert ctl.estimated_cost(1) == pytest.approx(max(0.042, 0.06 * 0.029 / 0.051))
+
+
 def test_controller_first_measures_k_over_enough_drafts():
     # the first K dispatch runs until `samples` drafts per depth (a quarter of n at most),
     # later measurements and checks a sixteenth of n
