@@ -39,7 +39,7 @@ def log(*a):
     print(*a, flush=True)
 
 
-def run_job(model, method, k, b, prompts, new_tokens, reps, compare_run_ahead=False):
+def run_job(model, method, k, b, prompts, new_tokens, reps):
     eng_cfg = EngineConfig(max_batch=b, max_model_len=len(prompts[0]) + new_tokens + 8,
                            prefill_chunk=256)
     t0 = time.perf_counter()
@@ -48,17 +48,7 @@ def run_job(model, method, k, b, prompts, new_tokens, reps, compare_run_ahead=Fa
     compile_s = time.perf_counter() - t0
     reqs = [Request(i, p, SamplingParams(max_tokens=new_tokens)) for i, p in enumerate(prompts)]
     best, out, schedule, detail = None, None, None, None
-    off_best, off_tokens = None, None
     for _ in range(reps):
-        if compare_run_ahead:  # the same job without the run-ahead, interleaved
-            eng.run_ahead = False
-            eng.reset_control()
-            t0 = time.perf_counter()
-            res = eng.generate(reqs)
-            wall = time.perf_counter() - t0
-            off_best = wall if off_best is None else min(off_best, wall)
-            off_tokens = [r.token_ids for r in res]
-            eng.run_ahead = True
         eng.reset_control()  # every repetition adapts from scratch
         before = dict(eng.stats)
         t0 = time.perf_counter()
@@ -74,13 +64,9 @@ def run_job(model, method, k, b, prompts, new_tokens, reps, compare_run_ahead=Fa
                 detail.update(order=eng.control.summary(), cost=eng.control.cost,
                               prior=eng.control.prior_cost)
     gen = sum(len(r.token_ids) for r in out)
-    ahead = eng.stats["dispatches_ahead"]
     del eng
-    extra = {} if off_best is None else {
-        "no_run_ahead_tokens_per_s": gen / off_best, "run_ahead_gain": off_best / best,
-        "no_run_ahead_same_tokens": off_tokens == [r.token_ids for r in out]}
-    return {"method": method, "k": k, "compile_s": compile_s, "wall_s": best, **extra,
-            "dispatches_ahead": ahead, "generated_tokens": gen, "tokens_per_s": gen / best,
+    return {"method": method, "k": k, "compile_s": compile_s, "wall_s": best,
+            "generated_tokens": gen, "tokens_per_s": gen / best,
             "k_dispatches": schedule, "detail": detail, "tokens": [r.token_ids for r in out]}
 
 
@@ -92,8 +78,6 @@ def main(argv=None):
     ap.add_argument("--ks", default="auto,1,2,3")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke run)")
-    ap.add_argument("--compare-run-ahead", action="store_true",
-                    help="also time each job with the engine's run-ahead off (interleaved)")
     args = ap.parse_args(argv)
     cfg = ModelConfig(**(TINY if args.tiny else MIMO_7B))
     ks = [parse_num_speculative_tokens(x) for x in args.ks.split(",")]
@@ -104,19 +88,14 @@ def main(argv=None):
     table = []
     for b in [int(x) for x in args.batches.split(",")]:
         prompts = rng.integers(0, cfg.vocab_size, (b, args.prompt_len)).tolist()
-        cmp = args.compare_run_ahead
-        runs = [run_job(model, "none", 1, b, prompts, args.new_tokens, args.reps, cmp)]
-        runs += [run_job(model, "chain", k, b, prompts, args.new_tokens, args.reps, cmp)
-                 for k in ks]
+        runs = [run_job(model, "none", 1, b, prompts, args.new_tokens, args.reps)]
+        runs += [run_job(model, "chain", k, b, prompts, args.new_tokens, args.reps) for k in ks]
         plain, want = runs[0], runs[0]["tokens"]
         for r in runs:
             r["vs_none"] = r["tokens_per_s"] / plain["tokens_per_s"]
             r["same_tokens_as_none"] = r.pop("tokens") == want
             log(f"B={b} {r['method']} K={r['k']}: {r['tokens_per_s']:.1f} tok/s "
-                f"({r['vs_none']:.2f}x none), compile {r['compile_s']:.1f}s, "
-                f"{r['dispatches_ahead']} dispatches run ahead"
-                + (f", without run-ahead {r['no_run_ahead_tokens_per_s']:.1f} tok/s "
-                   f"(same tokens: {r['no_run_ahead_same_tokens']})" if cmp else "")
+                f"({r['vs_none']:.2f}x none), compile {r['compile_s']:.1f}s"
                 + (f", dispatches per K {r['k_dispatches']}" if r["k_dispatches"] else "")
                 + f"\n  {r['detail']}")
         auto = [r for r in runs if r["k"] == "auto"]

@@ -81,15 +81,11 @@ class TimedEngine(Engine):
         keep = self.job_chunks
         return [(r, c) for r, c in super().prefill_programs() if keep is None or c in keep]
 
-    def _collect(self, report=None):
+    def _collect(self):
         running = sum(x is not None for x in self.slots)
         t0 = time.perf_counter()
-        previous = getattr(self, "_ready", 0.0)
-        done = super()._collect(report)
-        # the collected dispatch is the oldest launched; one launched ahead starts on the
-        # device when the one before it is done
-        start = max(self._launches.pop(0), previous)
-        self.stats["slot_seconds"] += running * (self._ready - start)
+        done = super()._collect()
+        self.stats["slot_seconds"] += running * (self._ready - self._t_dispatch)
         self.stats["collect_seconds"] += time.perf_counter() - t0
         return done
 
@@ -104,14 +100,12 @@ class TimedEngine(Engine):
                 fn = progs.steps(kind)
 
                 def call(*a):
-                    owner._launches.append(time.perf_counter())
+                    owner._t_dispatch = time.perf_counter()
                     return fn(*a)
                 call._cache_size = fn._cache_size
                 return call
 
-        self.warmup()  # its own step calls are not dispatches of the job
         self.progs = Timed()
-        self._launches = []
         try:
             yield from super().stream(requests)
         finally:

@@ -25,9 +25,7 @@ Per (batch B, context ctx), all in one run with the copy bandwidth measured besi
 - device idle fraction: the engine pattern (4 dispatches of `run_steps` of N/4 steps,
   each followed by the host collecting the small per-slot arrays) against the same N
   steps in one dispatch: idle = 1 - one-dispatch time / engine-pattern time (the host
-  gap between dispatches; the loop's own per-step predicate is inside both); and the
-  same with the engine's run-ahead (each dispatch launched before the host reads the
-  previous one's counters, `idle_fraction_run_ahead`);
+  gap between dispatches; the loop's own per-step predicate is inside both);
 - tokens/s: plain (B / step), oracle speculative measured (generated tokens / time in
   the engine loop with K = 3 and every draft accepted) and projected at the shipped
   model's acceptance per depth (B * (1 + sum_d a_d) / speculative step time).
@@ -321,21 +319,9 @@ def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=
             small = jax.device_get((st.active, st.finish, st.num_generated, st.steps,
                                     st.accepted))
         eng_s = time.perf_counter() - t0e
-        # the engine's run-ahead (queue empty): the next dispatch is launched before the
-        # host reads the last one's counters (from Programs.report's copies)
-        st = jax.block_until_ready(progs["chain"].run_steps(p, st, jnp.int32(1)))
-        t0a = time.perf_counter()
-        st = progs["chain"].run_steps(p, st, jnp.int32(steps // dispatches))
-        for i in range(dispatches):
-            rep = progs["chain"].report(st)
-            if i + 1 < dispatches:
-                st = progs["chain"].run_steps(p, st, jnp.int32(steps // dispatches))
-            jax.device_get(rep[:5])
-        ahead_s = time.perf_counter() - t0a
         del st
         gen = int(np.sum(small[2])) - gen0
         row["idle_fraction"] = max(0.0, 1 - one_s / eng_s)
-        row["idle_fraction_run_ahead"] = max(0.0, 1 - one_s / ahead_s)
         row["oracle_tokens_per_s"] = gen / eng_s
         row["oracle_tokens_per_step"] = gen / b / steps
         row["plain_tokens_per_s"] = b / (row["none_step_ms"] / 1e3)
@@ -450,8 +436,7 @@ def main(argv=None):
         f"{r['plain_pct_of_limit']:.0f} %) | {opt(r, '{:.2f}', 'verify_ratio')} | "
         + opt(r, "{:.2f} ({:.2f}, {:.0f} %)", "draft_ms", "draft_limit_ms", "draft_pct_of_limit")
         + " | "
-        f"{r['idle_fraction'] * 100:.1f} % ({r['idle_fraction_run_ahead'] * 100:.1f} % "
-        f"run ahead) | {r['plain_tokens_per_s']:.0f} | "
+        f"{r['idle_fraction'] * 100:.1f} % | {r['plain_tokens_per_s']:.0f} | "
         f"{r['oracle_tokens_per_s']:.0f} ({r['oracle_speedup']:.2f}) | "
         + (f"{r['projected_tokens_per_s']:.0f} ({r['projected_speedup']:.2f})"
            if r.get("projected_speedup") else "n/a") + " |\n" for r in rows)

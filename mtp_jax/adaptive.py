@@ -166,18 +166,6 @@ class KController:
         self.probe = False
         return best
 
-    def settled(self) -> Optional[int]:
-        """The kind of a dispatch launched before the one in flight is recorded (the
-        engine's run-ahead), or None when the next choice needs that record: while the
-        one in flight is a measurement or a check, while a kind still has to be measured,
-        and when a check falls due."""
-        if self.probe or self.cost[self.k_max] is None:
-            return None
-        best = self.best()
-        if self.cost[best] is None or self.dispatches + 1 >= self.next_check:
-            return None
-        return best
-
     def steps(self, n: int, running: int) -> int:
         """Loop iterations for the dispatch just chosen: n, a probe's sixteenth of it, or,
         while K's acceptance is still unmeasured, enough for `samples` drafts per depth

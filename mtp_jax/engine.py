@@ -40,8 +40,8 @@ from .kv_cache import PageAllocator, check_kernels, make_layout
 from .quant import calibrate_kv_scales
 from .sampling import split_seed
 from .sharding import check_mesh, shard_params, state_shardings
-from .step import (FINISH_ERROR, FINISH_LENGTH, FINISH_NONE, FINISH_STOP, REPORT, Static,
-                   init_state, programs)
+from .step import (FINISH_ERROR, FINISH_LENGTH, FINISH_NONE, FINISH_STOP, Static, init_state,
+                   programs)
 
 _REASONS = {FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_ERROR: "error"}
 # Prompt tokens below which a prefill forward costs about the same whatever it carries:
@@ -189,9 +189,6 @@ class Engine:
         self.step_prior = None  # seconds per step of each kind at warmup (adaptive only)
         self._resumed: dict = {}  # id(queued Request) -> _Resumed, for preempted requests
         self._admissions = 0
-        # launch each dispatch before the last one is collected where nothing waits on
-        # the collection (Engine._run_ahead); off only to measure what it saves
-        self.run_ahead = True
         # per-slot counters as of the last collection, for each dispatch's deltas
         self._seen = np.zeros((eng.max_batch, 2 * k + 1), np.int64)
         self._generated = np.zeros((eng.max_batch,), np.int64)
@@ -255,7 +252,6 @@ class Engine:
                                      np.zeros((b, w), np.int32), np.zeros((b,), np.int32),
                                      np.zeros((w,), np.int32))
         self.state = jax.block_until_ready(self.progs.release(self.state, self._mask([0])))
-        jax.block_until_ready(self.progs.report(self.state))  # the run-ahead's read-back
         self._warm = True
         self.compile_seconds += time.perf_counter() - t0
         return self.compile_seconds
@@ -284,7 +280,7 @@ class Engine:
     def cache_sizes(self) -> dict:
         """Compiled-program cache sizes (for checking that nothing recompiles)."""
         out = {n: getattr(self.progs, n)._cache_size()
-               for n in ("admit", "release", "prefill_finish", "grow", "report")}  # finish: per row count
+               for n in ("admit", "release", "prefill_finish", "grow")}  # finish: per row count
         out["run_steps"] = sum(self.progs.steps(k)._cache_size() for k in self.static.kinds)
         apart = self.static.history_apart
         for n in ("prefill_target", "prefill_mtp") if apart else ("prefill_target",):
@@ -529,12 +525,10 @@ class Engine:
         from jax.experimental import multihost_utils
         return multihost_utils.process_allgather(tree, tiled=True)
 
-    def _collect(self, report=None) -> list:
-        """Read back the last dispatch's counters (from `report`, Programs.report's copies,
-        when the next dispatch is already running), finish what it finished."""
-        if report is None:
-            report = tuple(getattr(self.state, f) for f in REPORT)
-        finish, ngen, steps, acc, tried = self._fetch(report[:5])
+    def _collect(self) -> list:
+        st = self.state
+        finish, ngen, steps, acc, tried = self._fetch(
+            (st.finish, st.num_generated, st.steps, st.accepted, st.drafted))
         self._ready = time.perf_counter()  # the dispatch's steps are done
         self._generated = np.array(ngen)
         now = np.concatenate([np.asarray(steps)[:, None], acc, tried], axis=1)
@@ -544,7 +538,7 @@ class Engine:
         # finished slots, and running ones whose stop strings the host must look for
         look = [i for i, x in enumerate(self.slots)
                 if x is not None and (finish[i] != FINISH_NONE or x.stop_strings)]
-        out_tokens = np.asarray(self._fetch(report[5])) if look else None
+        out_tokens = np.asarray(self._fetch(st.out_tokens)) if look else None
         done = np.zeros((self.config.max_batch,), bool)
         results = []
         for i in look:
@@ -602,39 +596,33 @@ class Engine:
             return
         try:
             self.warmup()
-            ahead = None  # (kind, steps) of the dispatch launched before the last collection
             while self.queue or any(x is not None for x in self.slots):
-                if ahead is None:
-                    out = []
-                    admitted = self._admissions
-                    self._fill_slots(out)
-                    admitted = self._admissions != admitted
-                    yield from out
-                    if not any(x is not None for x in self.slots):
-                        continue
-                    n = self.config.steps_per_dispatch
-                    kind = self.static.k
-                    if self.control:
-                        kind = self.control.choose(None if self.queue else self._last_wave())
-                        n = self.control.steps(n, sum(x is not None for x in self.slots))
-                        if jax.process_count() > 1:  # every process runs the same program
-                            kind, n = self._agree(kind, n)
-                    self._hold_pages(n)
-                    running = sum(x is not None for x in self.slots)
-                    self.stats["max_running"] = max(self.stats["max_running"], running)
-                    # after an admission the dispatch would also wait for its prefills: a
-                    # measurement waits for them first and times the steps alone, others go
-                    # untimed
-                    timed = not admitted or (self.control is not None and self.control.probe)
-                    if admitted and timed:
-                        jax.block_until_ready(self.state)
-                    t0 = time.perf_counter()
-                    self.state = self.progs.steps(kind)(self.model.params, self.state,
-                                                        jnp.int32(n))
-                else:  # already running since the last collection: it started then
-                    (kind, n), ahead, timed, t0 = ahead, None, True, self._ready
-                ahead, report = self._run_ahead(n)
-                done = self._collect(report)
+                out = []
+                admitted = self._admissions
+                self._fill_slots(out)
+                admitted = self._admissions != admitted
+                yield from out
+                if not any(x is not None for x in self.slots):
+                    continue
+                n = self.config.steps_per_dispatch
+                kind = self.static.k
+                if self.control:
+                    kind = self.control.choose(None if self.queue else self._last_wave())
+                    n = self.control.steps(n, sum(x is not None for x in self.slots))
+                    if jax.process_count() > 1:  # every process runs the same program
+                        kind, n = self._agree(kind, n)
+                self._hold_pages(n)
+                running = sum(x is not None for x in self.slots)
+                self.stats["max_running"] = max(self.stats["max_running"], running)
+                # after an admission the dispatch would also wait for its prefills: a
+                # measurement waits for them first and times the steps alone, others go
+                # untimed
+                timed = not admitted or (self.control is not None and self.control.probe)
+                if admitted and timed:
+                    jax.block_until_ready(self.state)
+                t0 = time.perf_counter()
+                self.state = self.progs.steps(kind)(self.model.params, self.state, jnp.int32(n))
+                done = self._collect()
                 seconds = time.perf_counter() - t0
                 if self.control:
                     k, d = self.static.k, self._delta.sum(0)
@@ -647,33 +635,10 @@ class Engine:
         finally:
             self.abort()
 
-    def _run_ahead(self, steps: int) -> tuple:
-        """Launch the next dispatch before collecting the one in flight (of `steps` steps),
-        so that the device does not wait for the host's collection, the next launch and
-        its own program's set-up in between: ((kind, steps) launched, the report of the
-        dispatch in flight), or (None, None) when the next dispatch must wait for the
-        collection. It waits while requests are queued (a slot that frees must be refilled
-        first), while the adaptive controller is measuring, when the pool cannot hold both
-        dispatches' pages without a preemption, and on several processes.
-
-        Slots that finish in the dispatch in flight run idle through the next one; the
-        collection then releases them in the newest state."""
-        if not self.run_ahead or self.queue or jax.process_count() > 1:
-            return None, None
-        kind = self.static.k if self.control is None else self.control.settled()
-        n = self.config.steps_per_dispatch
-        if kind is None or not self._hold_pages(steps + n, preempt=False):
-            return None, None
-        report = self.progs.report(self.state)  # before the next dispatch takes the state
-        self.state = self.progs.steps(kind)(self.model.params, self.state, jnp.int32(n))
-        self.stats["dispatches_ahead"] += 1
-        return (kind, n), report
-
     # ------------------------------------------------------------------ paging
-    def _hold_pages(self, steps: int, preempt: bool = True) -> bool:
-        """Give every running request the pages the next `steps` steps can write; preempt
-        the most recently admitted unpinned ones while the pool cannot (without `preempt`:
-        return False instead, nothing changed)."""
+    def _hold_pages(self, steps: int) -> None:
+        """Give every running request the pages the next dispatch of `steps` steps can
+        write; preempt the most recently admitted unpinned ones while the pool cannot."""
         k = self.static.k
         while True:
             need = {}
@@ -684,10 +649,10 @@ class Engine:
                 want = min(length + steps * (k + 1) + k, self._reserve_tokens(x.req))
                 if want > x.tokens:
                     need[i] = want
-            if not need or self._grow(need):
-                return True
-            if not preempt:
-                return False
+            if not need:
+                return
+            if self._grow(need):
+                return
             # Only unpinned requests grow, so one of them (maybe the asker) can yield. A
             # request alone always fits (Engine.check refuses one that never can).
             victims = [i for i, x in enumerate(self.slots) if x is not None and not x.pinned]

@@ -34,7 +34,6 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax import lax
 
 from jax.sharding import Mesh
 
@@ -48,8 +47,6 @@ from .sampling import SALT_TARGET, accept, row_keys, sample
 from .sharding import P, batch_axis, shard_kernel, use_mesh
 
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH, FINISH_ERROR = 0, 1, 2, 3
-# what the host reads back after a dispatch (Programs.report)
-REPORT = ("finish", "num_generated", "steps", "accepted", "drafted", "out_tokens")
 
 
 @flax.struct.dataclass
@@ -571,18 +568,6 @@ class Programs:
     def run_steps(self):
         """The multi-step program at the full K."""
         return self.steps(self.static.k)
-
-    @functools.cached_property
-    def report(self):
-        """Copies of what the host collects after a dispatch (finish, num_generated, steps,
-        accepted, drafted, out_tokens), taken before the next dispatch, which takes the
-        state donated, is launched. The state is not donated here."""
-        kw = {}
-        if self.state_sharding is not None:
-            sh = self.state_sharding
-            kw["out_shardings"] = tuple(getattr(sh, f) for f in REPORT)
-        return self._stored(jax.jit(lambda st: lax.optimization_barrier(
-            tuple(getattr(st, f) for f in REPORT)), **kw), "report")
 
     @functools.cached_property
     def admit(self):

@@ -117,25 +117,6 @@ def test_controller_raises_an_early_timing_to_what_later_ones_imply():
     assert ctl.estimated_cost(1) == pytest.approx(max(0.042, 0.06 * 0.029 / 0.051))
 
 
-def test_controller_settles_a_run_ahead_kind_only_between_measurements_and_checks():
-    # the engine launches a dispatch before the last one is recorded only with a kind
-    # that record cannot change: none while measuring, during a check, or when one is due
-    ctl = KController(3, prior_cost=[1.0, 1.1, 1.2, 1.3], min_interval=4)
-    assert ctl.settled() is None  # nothing measured yet
-    k = ctl.choose()
-    assert k == 3 and ctl.probe and ctl.settled() is None
-    ctl.update(3, 13.0, 10, [36, 32, 28], [40, 40, 40])
-    assert ctl.choose() == 3 and not ctl.probe
-    ctl.update(3, 13.0, 10, [36, 32, 28], [40, 40, 40])
-    assert ctl.settled() == 3
-    while ctl.dispatches + 1 < ctl.next_check:
-        assert ctl.settled() == 3
-        ctl.update(3, 13.0, 10, [36, 32, 28], [40, 40, 40])
-    assert ctl.settled() is None  # a check falls due once the one in flight is recorded
-    ctl.update(3, 13.0, 10, [36, 32, 28], [40, 40, 40])
-    assert ctl.choose() != 3 and ctl.probe and ctl.settled() is None
-
-
 def test_controller_first_measures_k_over_enough_drafts():
     # the first K dispatch runs until `samples` drafts per depth (a quarter of n at most),
     # later measurements and checks a sixteenth of n

@@ -86,10 +86,7 @@ def test_greedy_lossless(models, prompts, references, layout, method, k):
     eng = engine_for(model, layout, method, k)
     reqs = [Request(i, p, SamplingParams(max_tokens=b)) for i, (p, b) in
             enumerate(zip(prompts, BUDGETS))]
-    ahead = eng.stats["dispatches_ahead"]
     results = eng.generate(reqs)
-    # once the queue is empty, each dispatch is launched before the last one is collected
-    assert eng.stats["dispatches_ahead"] > ahead
     accepted = 0
     for req, res, (want, reason) in zip(reqs, results, references[layout]):
         assert res.token_ids == want, near_tie_report(model, req.prompt_ids, res.token_ids, want)
