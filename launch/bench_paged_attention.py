@@ -252,6 +252,24 @@ def sweep(results, reps, key, fp8=False):
       run(batch, ctx, 1, dataclasses.replace(best, num_splits=s))
 
 
+def sweep_splits(results, reps, key, batches, ctx):
+  """At each batch size: Q=1 and Q=4 with the default tiling and with 1, 2 and 4 KV splits
+  (the split merge included): whether splitting pays once the grid has a wave or more of
+  programs."""
+  for batch in batches:
+    for q_len in (1, 4):
+      args = make_inputs(batch, ctx, q_len, key)
+      default = default_block_config(batch, q_len, HQ, KVH, PAGE, ctx // PAGE, "gpu")
+      for splits in (None, 1, 2, 4):
+        cfg = default if splits is None else dataclasses.replace(default, num_splits=splits)
+        _, best, med = time_per_call(ours(cfg), args, iters(batch, ctx), reps)
+        tag = "default" if splits is None else f"splits={splits}"
+        log(f"splits B={batch} ctx={ctx} Q={q_len} {tag} ({cfg.num_splits}): "
+            f"{best * 1e6:.1f} us, {kv_bytes(batch, ctx) / best / 1e12:.2f} TB/s")
+        results.append(dict(batch=batch, ctx=ctx, q_len=q_len, cfg=str(cfg), tag=tag,
+                            best_s=best, median_s=med))
+
+
 def sweep_shape(results, reps, key, batch, ctx):
   """At one (batch, ctx): Q=1 and Q=4 with the default tiling, then Q=4 over a grid of kv
   block sizes, KV splits and stages (the verify of K=3 at a short context)."""
@@ -383,6 +401,9 @@ def main():
   ap.add_argument("--sweep", action="store_true", help="also time a grid of block configs")
   ap.add_argument("--sweep-shape", help="B,ctx: time Q=1 and Q=4 there, and Q=4 over a "
                   "grid of kv blocks, splits and stages (only that)")
+  ap.add_argument("--sweep-splits", metavar="B1,B2,...:CTX",
+                  help="time Q=1 and Q=4 at these batch sizes with the default tiling and "
+                       "1 / 2 / 4 KV splits (only that)")
   ap.add_argument("--sweep-fp8", action="store_true",
                   help="time a grid of block configs over fp8 pages (only that)")
   ap.add_argument("--no-table", action="store_true",
@@ -496,6 +517,10 @@ def main():
   if opts.sweep_shape:
     batch, ctx = map(int, opts.sweep_shape.split(","))
     sweep_shape(sweep_results, opts.reps, key, batch, ctx)
+  if opts.sweep_splits:
+    batches, ctx = opts.sweep_splits.split(":")
+    sweep_splits(sweep_results, opts.reps, key, [int(b) for b in batches.split(",")],
+                 int(ctx))
   if out_dir:
     with open(os.path.join(out_dir, "bench_paged_attention.md"), "w") as f:
       f.write(table + "\n")

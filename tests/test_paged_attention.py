@@ -316,6 +316,17 @@ def test_default_config_gpu_kernel_matches_reference():
   np.testing.assert_allclose(got, paged_attention_reference(*args), atol=2e-5, rtol=2e-5)
 
 
+def test_gpu_default_splits_kv_only_below_a_wave_of_programs():
+  # Hq 32 / KVH 8, page 16, 1k context, 132 SMs: B x 8 programs (Q=1 or the verify's Q=4)
+  def splits(batch, q_len):
+    return default_block_config(batch, q_len, 32, 8, 16, 64, "gpu", num_cores=132).num_splits
+
+  assert [splits(b, 1) for b in (1, 8, 16)] == [8, 5, 3]  # 8, 64, 128 programs
+  assert [splits(b, q) for b in (17, 32, 64) for q in (1, 4)] == [1] * 6  # 136 and more
+  # never more splits than kv blocks (256 positions: 2 blocks of 8 pages)
+  assert default_block_config(1, 1, 32, 8, 16, 16, "gpu", num_cores=132).num_splits == 2
+
+
 def test_backend_dispatch(monkeypatch):
   case = CASES["decode_g1_ps8"]
   args = make_inputs(case)
