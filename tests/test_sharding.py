@@ -44,6 +44,8 @@ def test_sharded_greedy_equals_single_device(result, method):
         assert r["slots_spec"] == ["dp"]
     if method != "none":
         assert r["accepted"] > 0
+    # two meshes prefill the 4 prompts as rows of one forward (rows over dp)
+    assert r["prefill_rows"] == (4 if method in ("none", "chain") else 1)
 
 
 def test_orbax_restores_into_the_sharding(result):
@@ -78,6 +80,7 @@ def test_moe_sharded_equals_unsharded(moe_result, mesh, spec, shard):
     assert all(r["equal"]), r
     assert r["experts_spec"] == spec and r["experts_shard_shape"] == shard
     assert r["experts_equal"]
+    assert r["prefill_rows"] == (4 if "dp" in mesh else 1)  # rows over dp where there is one
 
 
 def test_expert_count_must_divide_the_ep_axis(moe_result):
@@ -98,3 +101,4 @@ def test_mla_model_sharded_equals_unsharded(deepseek_result, mesh):
     assert all(r["equal"]), r
     assert r["w_uk_spec"][0] == "tp"  # query heads split, the latent cache replicated
     assert r["experts_spec"][0] == ("ep" if "ep" in mesh else None) and r["experts_equal"]
+    assert r["prefill_rows"] == (4 if "dp" in mesh else 1)
