@@ -86,12 +86,16 @@ def enable(path: Optional[str] = None) -> Optional[str]:
         jax.config.update("jax_compilation_cache_dir", folder)
         # CPU programs are many and each compiles in well under JAX's 1 s default floor.
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        try:  # a process that compiled before this call has already decided "no cache"
-            from jax._src import compilation_cache
-            compilation_cache.reset_cache()
-        except Exception:  # noqa: BLE001 (private API: best effort on other versions)
-            pass
+        _reset_jax_cache()  # a process that compiled before this call decided "no cache"
         return folder
+
+
+def _reset_jax_cache() -> None:
+    """Make JAX look at its cache settings again: it decides once per process whether its
+    persistent cache is used."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    compilation_cache.reset_cache()
 
 
 def add_compile_cache_option(parser) -> None:
@@ -229,17 +233,15 @@ def _compile_fresh(lowered):
     CPU (jaxlib 0.10.2: loaded in any process, its first call fails with `NOT_FOUND:
     Function ... not found`), so what the store saves must be compiled here. The store
     holds these programs, so JAX's cache does not need them either."""
-    from jax.experimental.compilation_cache import compilation_cache
-
     was = jax.config.jax_enable_compilation_cache
     with _lock:
         jax.config.update("jax_enable_compilation_cache", False)
-        compilation_cache.reset_cache()  # JAX decides once whether its cache is used
+        _reset_jax_cache()
         try:
             return lowered.compile()
         finally:
             jax.config.update("jax_enable_compilation_cache", was)
-            compilation_cache.reset_cache()
+            _reset_jax_cache()
 
 
 _stores: dict = {}  # folder -> ExecutableStore

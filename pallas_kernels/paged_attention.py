@@ -152,9 +152,10 @@ def default_block_config(batch, q_len, num_q_heads, num_kv_heads, page_size, max
   programs = batch * num_kv_heads * -(-rows // rows_per_block)
   if num_cores is None:
     num_cores = getattr(jax.devices()[0], "core_count", None) or 132
-  blocks = -(-max_pages // pages_per_block)
-  num_splits = 1 if programs >= num_cores else max(1, min(-(-2 * num_cores // programs),
-                                                          blocks, 64))
+  num_splits = 1
+  if programs < num_cores:  # less than a wave: split for about two
+    blocks = -(-max_pages // pages_per_block)
+    num_splits = min(-(-2 * num_cores // programs), blocks, 64)
   return BlockConfig(pages_per_block=pages_per_block, num_splits=num_splits,
                      rows_per_block=rows_per_block,
                      num_warps=8 if rows_per_block >= 64 else 4)

@@ -31,7 +31,7 @@ budgets = (20, 12, 25, 16)
 want = [generate_reference(model, p, SamplingParams(max_tokens=b), max_len=96)[0]
         for p, b in zip(prompts, budgets)]
 cfg = EngineConfig(max_batch=4, max_model_len=96, page_size=8, prefill_chunk=16,
-                   steps_per_dispatch=6, prefill_batch=1)
+                   steps_per_dispatch=6)
 out = {"methods": {}}
 meshes = {"none": "tp=2,dp=4", "chain": "tp=2,dp=2", "window": "tp=2,dp=1",
           "eagle": "tp=2,dp=4", "per_step": "dp=2,tp=2"}
@@ -41,9 +41,9 @@ meshes = {"none": "tp=2,dp=4", "chain": "tp=2,dp=2", "window": "tp=2,dp=1",
 BATCHED = ("none", "chain")
 for method, spec in meshes.items():
     mesh = make_mesh(spec)
+    rows = 4 if method in BATCHED else 1
     eng = Engine(model, SpecConfig(method=method, num_speculative_tokens=2),
-                 cfg if method not in BATCHED else dataclasses.replace(cfg, prefill_batch=4),
-                 mesh=mesh)
+                 dataclasses.replace(cfg, prefill_batch=rows), mesh=mesh)
     res = eng.generate([Request(i, p, SamplingParams(max_tokens=b))
                         for i, (p, b) in enumerate(zip(prompts, budgets))])
     qkv = eng.model.params["target"]["layers"][0]["attn"]["qkv"][...]
