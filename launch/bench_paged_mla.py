@@ -37,7 +37,9 @@ that in fp8), so small-batch calls read device memory rather than L2. The copy b
 products on random data.
 
 --sweep times a grid of block configs at (B=64, 4k) and KV split counts at small B
-(the defaults in `paged_mla.default_block_config` come from it); --sweep-fp8 times the
+(the defaults in `paged_mla.default_block_config` come from it); --sweep-small times
+16-, 32- and 64-row tiles, unsplit and split for 1, 2 and 4 waves, at B 1 and 4, Q 1, 2
+and 4 (decode and verify), ctx 4k and 16k; --sweep-fp8 times the
 same over fp8 pages, with larger kv blocks too (1-byte stages leave shared memory for
 them). --budget-s stops starting new measurements after that many seconds and reports
 what finished.
@@ -308,6 +310,39 @@ def sweep(results, reps, copy_bw, mm_rate, key, budget, fp8=False):
       run(batch, ctx, q_len, dataclasses.replace(best, num_splits=s))
 
 
+def sweep_small(results, reps, copy_bw, mm_rate, key, budget):
+  """Small-batch decode and verify (B 1 and 4, Q 1 / 2 / 4, ctx 4k and 16k): 16-, 32- and
+  64-row tiles, each unsplit and with KV splits for one, two and four waves of programs,
+  beside the default config. Prints one line per config; appends to results."""
+  cores = 132 if INTERPRET else (getattr(jax.devices()[0], "core_count", None) or 132)
+  shapes = ([(1, 64, 2)] if INTERPRET else
+            [(b, c, q) for b in (1, 4) for c in (4096, 16384) for q in (1, 2, 4)])
+  for batch, ctx, q_len in shapes:
+    args = make_inputs(batch, ctx, q_len, key)
+    dflt = default_block_config(batch, q_len, H, PAGE, ctx // PAGE, DK, jnp.bfloat16, "gpu",
+                                num_cores=cores)
+    cfgs = {dflt}
+    for rows in (16, 32, 64):
+      base = dataclasses.replace(dflt, rows_per_block=rows, num_warps=8 if rows >= 64 else 4)
+      programs = batch * -(-q_len * H // rows)
+      blocks = -(-ctx // base.block_k)
+      for waves in (0, 1, 2, 4):
+        splits = 1 if waves == 0 else max(1, min(-(-waves * cores // programs), blocks, 64))
+        cfgs.add(dataclasses.replace(base, num_splits=splits))
+    for cfg in sorted(cfgs, key=lambda c: (c.rows_per_block, c.num_splits)):
+      if budget.spent():
+        return
+      label = f"small B={batch} ctx={ctx} Q={q_len} {cfg}{' (default)' if cfg == dflt else ''}"
+      try:
+        r = measure(batch, ctx, q_len, ours(cfg), reps, copy_bw, mm_rate, key, args)
+      except Exception as e:
+        log(f"{label}: FAILED {type(e).__name__}: {str(e)[:300]}")
+        continue
+      log(f"{label}: {r['best_s'] * 1e6:.1f} us")
+      results.append(dict(batch=batch, ctx=ctx, q_len=q_len, cfg=str(cfg),
+                          default=cfg == dflt, small=True, **r))
+
+
 def table_row(batch, ctx, q_len, e, ratio):
   o, r = e.get("ours"), e.get("xla_reference")
 
@@ -353,6 +388,8 @@ def main():
   ap.add_argument("--sweep", action="store_true", help="also time a grid of block configs")
   ap.add_argument("--sweep-fp8", action="store_true",
                   help="also time a grid of block configs over fp8 pages")
+  ap.add_argument("--sweep-small", action="store_true",
+                  help="time tile heights and KV split counts at small batch (decode, verify)")
   ap.add_argument("--no-fp8", action="store_true", help="skip the fp8 table")
   ap.add_argument("--no-table", action="store_true", help="skip the main table")
   ap.add_argument("--budget-s", type=float, default=None,
@@ -462,6 +499,8 @@ def main():
     sweep(sweep_results, opts.reps, copy_bw, mm_rate, key, budget)
   if opts.sweep_fp8:
     sweep(sweep_results, opts.reps, copy_bw, mm_rate, key, budget, fp8=True)
+  if opts.sweep_small:
+    sweep_small(sweep_results, opts.reps, copy_bw, mm_rate, key, budget)
   if opts.out:
     with open(opts.out, "w") as f:
       json.dump(dict(header=header, copy=copy, matmul_flops=mm_rate, results=raw,

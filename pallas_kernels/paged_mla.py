@@ -120,9 +120,12 @@ def default_block_config(batch, q_len, num_heads, page_size, max_pages, head_dim
   f32 tiles stop at 32 rows. KV splits only when B * tiles would leave more than half
   the SMs idle, then enough for about two waves of programs, at least one block each
   (at B = 1 and 8 two waves matched or beat one by up to 18 %; four were 19 % slower).
-  Small-batch verify is not tuned: at B = 1, Q = 4 this picks 33 splits of 64-row
-  tiles (95 us at 4k context, slower than the XLA reference's 60 us), where 32-row
-  tiles with 16 splits took 56 us in the sweep.
+  A grid of at most 8 such 64-row tiles (B = 1 up to Q = 4, B = 4 at Q = 1) takes 32-row
+  tiles on 4 warps instead, split the same way: H100, 4k context, B = 1 Q = 1 / 2 / 4
+  43 / 51 / 54 us against 46 / 67 / 79 with 64-row tiles (16k: 63 / 78 / 108 against
+  65 / 101 / 142), B = 4 Q = 1 62 against 86 us (16k: 116 against 148). With 16 or more
+  64-row tiles they lost (B = 4, 16k, Q = 2 / 4: 241 / 412 against 215 / 364 us).
+  (`launch/bench_paged_mla.py --sweep-small`, docs/BENCHMARKS.md.)
   TPU: tiles of up to 256 rows and ~256 kv positions per block (untuned: no TPU was
   available).
   """
@@ -134,6 +137,8 @@ def default_block_config(batch, q_len, num_heads, page_size, max_pages, head_dim
                           rows_per_block=min(max(next_pow2(rows), 16), 256))
   itemsize = jnp.dtype(dtype).itemsize
   rows_per_block = min(max(next_pow2(rows), 16), 64 if itemsize <= 2 else 32)
+  if rows_per_block == 64 and batch * -(-rows // 64) <= 8:  # a small grid: shorter tiles
+    rows_per_block = 32
   row_bytes = itemsize * head_dim
   block_k = 64
   while block_k > 16 and (rows_per_block + 2 * block_k) * row_bytes > 224 << 10:

@@ -314,12 +314,15 @@ def test_growing_scores_rescale_the_accumulator():
 
 def test_default_config_shapes():
   # DeepSeek-V3 decode and verify at H = 128: 64-row tiles, 8 warps, 64-position
-  # blocks; KV splits only where B * tiles leaves SMs idle.
-  for batch, q_len, splits in ((64, 1, 1), (64, 4, 1), (32, 1, 4), (8, 1, 16), (1, 1, 64)):
+  # blocks; KV splits only where B * tiles leaves SMs idle; a grid of at most 8 such
+  # tiles takes 32-row tiles on 4 warps, split for two waves of its programs.
+  for batch, q_len, rows, splits in ((64, 1, 64, 1), (64, 4, 64, 1), (32, 1, 64, 4),
+                                     (8, 1, 64, 16), (4, 2, 64, 16), (4, 1, 32, 16),
+                                     (1, 4, 32, 16), (1, 2, 32, 33), (1, 1, 32, 64)):
     cfg = default_block_config(batch, q_len, 128, 16, 1024, 576, jnp.bfloat16, "gpu",
                                num_cores=132)
     assert (cfg.rows_per_block, cfg.num_warps, cfg.block_k, cfg.num_splits) == (
-        64, 8, 64, splits), cfg
+        rows, 8 if rows == 64 else 4, 64, splits), (batch, q_len, cfg)
   cfg = default_block_config(2, 1, 128, 16, 1024, 576, jnp.float32, "gpu", num_cores=132)
   assert (cfg.rows_per_block, cfg.block_k) == (32, 32), cfg
   cfg = default_block_config(4, 2, 16, 16, 64, 576, jnp.bfloat16, "tpu")
