@@ -137,8 +137,8 @@ def default_block_config(batch, q_len, num_heads, page_size, max_pages, head_dim
                           rows_per_block=min(max(next_pow2(rows), 16), 256))
   itemsize = jnp.dtype(dtype).itemsize
   rows_per_block = min(max(next_pow2(rows), 16), 64 if itemsize <= 2 else 32)
-  if rows_per_block == 64 and batch * -(-rows // 64) <= 8:  # a small grid: shorter tiles
-    rows_per_block = 32
+  if rows_per_block == 64 and batch * -(-rows // rows_per_block) <= 8:
+    rows_per_block = 32  # a grid of few 64-row tiles: half-height tiles
   row_bytes = itemsize * head_dim
   block_k = 64
   while block_k > 16 and (rows_per_block + 2 * block_k) * row_bytes > 224 << 10:
