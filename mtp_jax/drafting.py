@@ -37,8 +37,8 @@ def draft(model, method: str, k: int, kv, win_tokens, win_hidden, win_pos, sp, *
           coupled=False):
     """k drafts [b, k] and their processed log-probs [b, k, v] from a window [b, W].
 
-    The window may be wider than k + 1 (adaptive speculation drafts fewer than the window
-    holds); only the first k modules run. `kv` is the PagedKV of the traced program; `sp`
+    Only the first k modules run, over the whole window (the decode step passes the k + 1
+    positions a kind of k drafts can commit). `kv` is the PagedKV of the traced program; `sp`
     holds per-row temperature, top_k, top_p [b] and seeds [b, 2]. `coupled`: sampled
     drafts use the target's key of their position (see sampling.accept).
     """

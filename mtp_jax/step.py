@@ -262,9 +262,13 @@ def decode_step(model, s: Static, st: DecodeState, kr: Optional[int] = None) -> 
         upd.update(hist_tokens=hist_t, hist_hidden=hist_h)
         drafts = jnp.full((b, s.k), -1, jnp.int32)
         if k:
+            # a kind that verifies k drafts commits at most k + 1 new positions: the
+            # modules rewrite those (as an engine of K = k does), not the K + 1 of the
+            # carry; on a CPU the draft's cost grows with the window
+            w = k + 1
             with jax.named_scope("draft"):
-                d, logp = draft(model, s.spec.method, k, kv, win_t, win_h, win_pos, sp,
-                                coupled=s.coupled)
+                d, logp = draft(model, s.spec.method, k, kv, win_t[:, -w:], win_h[:, -w:],
+                                win_pos[:, -w:], sp, coupled=s.coupled)
             drafts = drafts.at[:, :k].set(d)
             if not s.coupled:
                 upd["draft_logp"] = logp

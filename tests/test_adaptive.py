@@ -291,6 +291,38 @@ def test_real_controller_on_the_job_stays_lossless(model, prompts):
     assert prior == eng.step_prior and len(prior) == 4 and min(prior) > 0
 
 
+def test_a_kind_drafts_over_the_positions_it_can_commit(model, monkeypatch):
+    """A step of kind k runs the MTP modules over the k + 1 positions it can commit, not
+    the K + 1 of the carry (on a CPU the draft's cost grows with that window)."""
+    import jax
+    from mtp_jax import step as step_mod
+
+    eng = engine(model, "chain")
+    widths, real = [], step_mod.draft
+
+    def spy(model, method, k, kv, win_tokens, *args, **kw):
+        widths.append((k, win_tokens.shape[1]))
+        return real(model, method, k, kv, win_tokens, *args, **kw)
+
+    monkeypatch.setattr(step_mod, "draft", spy)
+    for kind in (1, 2, 3):
+        jax.eval_shape(lambda p, st, kind=kind: step_mod.decode_step(
+            eng.progs._merge(p), eng.static, st, kind), eng.model.params, eng.state)
+    assert widths == [(1, 2), (2, 3), (3, 4)]
+
+
+def test_a_kind_held_throughout_drafts_as_the_engine_of_that_k(model, prompts):
+    """An adaptive engine (K = 3) held at kind 1 commits the same tokens, in the same
+    steps, with the same acceptance as an engine of K = 1."""
+    reqs = [Request(i, p, SamplingParams(max_tokens=24)) for i, p in enumerate(prompts)]
+    got = engine(model, "chain", [1]).generate(reqs)
+    want = Engine(model, SpecConfig("chain", 1), ENGINE).generate(reqs)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert [r.num_steps for r in got] == [r.num_steps for r in want]
+    assert [r.accepted_per_depth[:1] for r in got] == [r.accepted_per_depth for r in want]
+    assert sum(r.accepted_per_depth[0] for r in want) > 0
+
+
 def test_fixed_k_engine_has_no_controller(model):
     eng = Engine(model, SpecConfig("chain", 2), ENGINE)
     assert eng.control is None
