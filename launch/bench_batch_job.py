@@ -173,7 +173,8 @@ def run_job(model, method, k, rows, rule, args, prompts):
     eng_cfg = EngineConfig(max_batch=args.max_batch,
                            max_model_len=args.prompt_len + (args.max_tokens or max(
                                new_tokens(args))) + 8, num_pages=args.kv_pages,
-                           prefill_chunk=args.prefill_chunk, prefill_batch=rows)
+                           prefill_chunk=args.prefill_chunk, prefill_batch=rows,
+                           step_gemms=args.step_gemms)
     t0 = time.perf_counter()
     kind = ReservingEngine if rule == "reserve" else TimedEngine
     eng = kind(model, SpecConfig(method, num_speculative_tokens=k), eng_cfg)
@@ -259,6 +260,9 @@ def main(argv=None):
     ap.add_argument("--k", default="3", help="K of the speculative methods (an int or auto)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="mimo-7b")
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--step-gemms", choices=("triton", "cublas"),
+                    help="the decode steps' dense matmuls on a GPU (EngineConfig.step_gemms; "
+                         "default: by rows)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke run)")
     args = ap.parse_args(argv)
     bad = set(args.pages.split(",")) - {"on-demand", "reserve"}

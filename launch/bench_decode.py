@@ -66,7 +66,7 @@ from mtp_jax.drafting import draft  # noqa: E402
 from mtp_jax.kv_cache import PageAllocator, PagedKV, make_layout  # noqa: E402
 from mtp_jax.quant import calibrate_kv_scales  # noqa: E402
 from mtp_jax.sharding import make_mesh, shard_params, state_shardings, use_mesh  # noqa: E402
-from mtp_jax.step import Static, init_state, programs  # noqa: E402
+from mtp_jax.step import Static, init_state, programs, step_gemms  # noqa: E402
 
 MIMO_7B = dict(layout="mimo", vocab_size=151680, hidden_size=4096, intermediate_size=11008,
                num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, num_mtp_modules=3,
@@ -205,12 +205,22 @@ def _tokens(tok, b, q, vocab, spread):
     return jnp.broadcast_to(tok[:, None], (b, q))
 
 
-def verify_loop(model, layout, b, q, mesh=None, spread=False):
+def step_options(static, kind=None) -> dict:
+    """The XLA options of the engine's step program of `kind` (default K): its GEMM
+    backend, for the verify and draft loops that time that step's parts."""
+    kind = static.k if kind is None else kind
+    if jax.default_backend() == "gpu" and step_gemms(static, kind) == "cublas":
+        return {"xla_gpu_enable_triton_gemm": False}
+    return {}
+
+
+def verify_loop(model, layout, b, q, mesh=None, spread=False, options=None):
     """Jitted `f(params, caches, st, n)`: n target forwards over q tokens per slot (the
     verify of a K = q - 1 step), caches donated and returned."""
     cfg = model.config
 
-    @functools.partial(jax.jit, donate_argnums=(1,))  # the caches update in place
+    # the caches update in place
+    @functools.partial(jax.jit, donate_argnums=(1,), compiler_options=options or None)
     def f(params, caches, st, n):
         m = nnx.merge(model.graphdef, params)
 
@@ -221,18 +231,20 @@ def verify_loop(model, layout, b, q, mesh=None, spread=False):
             toks = _tokens(tok, b, q, cfg.vocab_size, spread)
             normed, _ = m.target(toks, pos, kv.attend(pos, st.length + q - 1))
             logits = m.target.head(normed)
-            return tuple(kv.caches), jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
+            # every row's argmax, as the step's acceptance reads them (one row alone would
+            # let XLA slice the head's product down to that row)
+            return tuple(kv.caches), jnp.max(jnp.argmax(logits, -1), -1).astype(jnp.int32)
 
         with use_mesh(mesh):
             return jax.lax.fori_loop(0, n, body, (caches, st.last_token))
     return f
 
 
-def draft_loop(model, layout, b, dtype, mesh=None, spread=False, k=K):
+def draft_loop(model, layout, b, dtype, mesh=None, spread=False, k=K, options=None):
     """Jitted `f(params, caches, st, n)`: n `chain` drafts of k tokens over a k+1 window."""
     cfg = model.config
 
-    @functools.partial(jax.jit, donate_argnums=(1,))
+    @functools.partial(jax.jit, donate_argnums=(1,), compiler_options=options or None)
     def f(params, caches, st, n):
         m = nnx.merge(model.graphdef, params)
         sp = st.sampling
@@ -253,11 +265,11 @@ def draft_loop(model, layout, b, dtype, mesh=None, spread=False, k=K):
 
 
 def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=False,
-                kv_dtype=None, profile=False):
+                kv_dtype=None, profile=False, step_gemms=None):
     cfg = model.config
     max_len = max(ctxs) + steps * (K + 1) * 4 + 64
     eng = EngineConfig(max_batch=b, max_model_len=max_len, page_size=16, prefill_chunk=16,
-                       kv_dtype=kv_dtype)
+                       kv_dtype=kv_dtype, step_gemms=step_gemms)
     out = []
     progs = bench_programs(model, eng, dtype, mesh)
     layout = progs["chain"].static.layout
@@ -266,8 +278,9 @@ def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=
     def fresh(method, ctx):
         return fresh_state(progs[method], model, b, ctx, dtype, mesh)
 
-    v4 = verify_loop(model, layout, b, K + 1, mesh)
-    draft_k = draft_loop(model, layout, b, dtype, mesh)
+    options = step_options(progs["chain"].static)
+    v4 = verify_loop(model, layout, b, K + 1, mesh, options=options)
+    draft_k = draft_loop(model, layout, b, dtype, mesh, options=options)
     n = jnp.int32(steps)
     for ctx in ctxs:
         row = dict(batch=b, ctx=ctx, mesh=str(dict(mesh.shape)) if mesh else None)
@@ -306,6 +319,14 @@ def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=
                     holder["c"] = jax.block_until_ready(fn(p, holder["c"], st, steps))[0]
                 best, _ = timed(run)
                 row[name] = best / steps * 1e3
+                if profile:
+                    folder = tempfile.mkdtemp(prefix=f"trace_{name}_")
+                    with profile_trace.traced(folder):
+                        run()
+                    table = profile_trace.breakdown(folder, top=None)
+                    log(f"{name[:-3]} B={b} ctx={ctx}: "
+                        + profile_trace.render(table, per=steps, unit="call"))
+                    row[f"{name[:-3]}_profile"] = table
         row["compile_and_time_s"] = time.perf_counter() - t0
         # idle: engine pattern (dispatches + host collect) vs the same steps in one dispatch
         one_s = row["chain_step_ms"] * steps / 1e3
@@ -359,6 +380,9 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true", help="trace one call of each step "
                     "program and print its kernel time per step by kind, device idle "
                     "included (launch/profile_trace.py)")
+    ap.add_argument("--step-gemms", choices=("triton", "cublas"),
+                    help="the steps' dense matmuls on a GPU (EngineConfig.step_gemms; "
+                         "default: by rows)")
     args = ap.parse_args(argv)
     cfg = ModelConfig(**(TINY if args.tiny else SHAPES[args.shape]))
     dtype = jnp.dtype(cfg.dtype)
@@ -405,7 +429,7 @@ def main(argv=None):
         for b in [int(x) for x in args.batches.split(",")]:
             for row in bench_batch(model, b, [int(x) for x in args.ctxs.split(",")],
                                    args.steps, dtype, acceptance, mesh, args.steps_only,
-                                   args.kv_dtype, args.profile):
+                                   args.kv_dtype, args.profile, args.step_gemms):
                 ctx = row["ctx"]
                 row["kv_dtype"] = args.kv_dtype or str(dtype)
                 plain_bytes = tw + b * ctx * kv_tok

@@ -61,8 +61,8 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import (bench_programs, draft_loop, fresh_state, timed,  # noqa: E402
-                          verify_loop)
+from bench_decode import (bench_programs, draft_loop, fresh_state, step_options,  # noqa: E402
+                          timed, verify_loop)
 from bench_paged_attention import copy_bandwidth  # noqa: E402
 
 from mtp_jax.checkpoint import Model, abstract_model  # noqa: E402
@@ -277,9 +277,11 @@ def bench_batch(model, b, ctx, steps, qs, dtype, mesh, acceptance, bw, sizes):
         gen = np.asarray(jax.device_get(holder["st"].num_generated))
         row[f"{mth}_tokens_per_step"] = float(gen.mean()) / (3 * steps + 1)
         del holder
-    loops = [(f"verify{q}_ms", verify_loop(model, layout, b, q, mesh, spread=True))
+    static = progs["chain"].static  # each loop with its step program's GEMM backend
+    loops = [(f"verify{q}_ms", verify_loop(model, layout, b, q, mesh, spread=True,
+                                           options=step_options(static, q - 1)))
              for q in qs] + [("draft_ms", draft_loop(model, layout, b, dtype, mesh, spread=True,
-                                                     k=k))]
+                                                     k=k, options=step_options(static)))]
     for name, fn in loops:
         st = fresh("chain")
         caches, st = st.caches, st.replace(caches=())

@@ -635,8 +635,14 @@ class EngineConfig:
     max_stop_ids: int = 8
     attention_backend: Optional[str] = None  # None: by jax.default_backend()
     kv_dtype: Optional[str] = None  # None: the model's dtype; "fp8": float8_e4m3fn pages
+    # XLA's dense matmuls in the decode steps on a GPU: "triton" (XLA's Triton GEMMs,
+    # split-K for a few rows) or "cublas". None: by rows per device (step.step_gemms)
+    step_gemms: Optional[str] = None
 
     def __post_init__(self):
+        if self.step_gemms not in (None, "triton", "cublas"):
+            raise ConfigError(f"step_gemms={self.step_gemms!r} is not supported (None to "
+                              "choose by batch, 'triton' or 'cublas')")
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"kv_dtype={self.kv_dtype!r} is not supported (None for the "
                               "model's dtype, or 'fp8')")

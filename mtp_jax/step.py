@@ -503,6 +503,26 @@ class Program:
         return self.jitted._cache_size() + len(self._by_args)
 
 
+# Rows per matmul (slots per device x tokens per slot) from which a decode step's dense
+# matmuls run on cuBLAS instead of XLA's Triton GEMMs on a GPU. H100, MiMo-7B shape, ctx
+# 1024, step ms Triton / cuBLAS: `none` B=8 6.33 / 6.61, B=16 7.00 / 7.20, B=32 7.93 / 7.94,
+# B=64 10.27 / 9.73; `chain` K=3 (4 rows a slot) B=8 8.92 / 9.19, B=16 9.93 / 9.61, B=32
+# 11.44 / 10.92, B=64 14.64 / 14.54; at one row Triton's split-K GEMMs win by far (5.82 /
+# 8.01). docs/BENCHMARKS.md, "The decode steps' GEMMs: Triton or cuBLAS by rows".
+CUBLAS_FROM_ROWS = 64
+
+
+def step_gemms(s: Static, kind: int) -> str:
+    """'triton' or 'cublas': the backend of the dense matmuls of a decode step of `kind`
+    (drafts verified) on a GPU: EngineConfig.step_gemms, else by the verify's rows per
+    device."""
+    if s.eng.step_gemms is not None:
+        return s.eng.step_gemms
+    dp = batch_axis(s.mesh, s.eng.max_batch)
+    slots = s.eng.max_batch // (s.mesh.shape[dp] if dp is not None else 1)
+    return "cublas" if slots * (kind + 1) >= CUBLAS_FROM_ROWS else "triton"
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Programs:
     """The jitted programs for one static configuration (state donated everywhere).
@@ -530,9 +550,10 @@ class Programs:
         """What the programs are traced from besides their arguments, for the store's keys."""
         return hashlib.sha256(repr((self.static, self.graphdef)).encode()).hexdigest()
 
-    def _jit(self, fn, n_extra: int, *, name: str, with_params=True, logits=False):
+    def _jit(self, fn, n_extra: int, *, name: str, with_params=True, logits=False,
+             compiler_options=None):
         """fn([params,] st, *extra) -> state (or (state, logits)), state donated."""
-        kw = {}
+        kw = {"compiler_options": compiler_options} if compiler_options else {}
         if self.state_sharding is not None:
             ins = (self.params_sharding,) if with_params else ()
             kw["in_shardings"] = ins + (self.state_sharding,) + (None,) * n_extra
@@ -566,6 +587,9 @@ class Programs:
         """The multi-step program of one step kind (drafts verified per step)."""
         def f(params, st, num_steps):
             return run_steps(self._merge(params), self.static, st, num_steps, kind)
+        if jax.default_backend() == "gpu" and step_gemms(self.static, kind) == "cublas":
+            return self._jit(f, 1, name=f"steps{kind}_cublas",
+                             compiler_options={"xla_gpu_enable_triton_gemm": False})
         return self._jit(f, 1, name=f"steps{kind}")
 
     @property

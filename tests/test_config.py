@@ -341,6 +341,29 @@ def test_engine_config_validation():
             EngineConfig(prefill_batch=bad)
     with pytest.raises(ConfigError, match="max_batch"):
         EngineConfig(max_batch=0)
+    with pytest.raises(ConfigError, match="step_gemms='cutlass'"):
+        EngineConfig(step_gemms="cutlass")
+
+
+def test_step_gemms_by_rows_per_device():
+    """A decode step's matmuls take cuBLAS from CUBLAS_FROM_ROWS rows per device on (slots
+    per device x the verify's kind + 1 tokens), XLA's Triton GEMMs below (a GPU choice; the
+    rule itself is plain arithmetic)."""
+    from types import SimpleNamespace
+
+    from mtp_jax.step import CUBLAS_FROM_ROWS, step_gemms
+
+    def pick(max_batch, kind=0, dp=1, **kw):
+        mesh = None if dp == 1 else SimpleNamespace(shape={"dp": dp, "tp": 1})
+        return step_gemms(SimpleNamespace(eng=EngineConfig(max_batch=max_batch, **kw),
+                                          mesh=mesh), kind)
+
+    assert pick(1) == pick(CUBLAS_FROM_ROWS - 1) == pick(1, kind=3) == "triton"
+    assert pick(CUBLAS_FROM_ROWS) == pick(CUBLAS_FROM_ROWS // 4, kind=3) == "cublas"
+    assert pick(CUBLAS_FROM_ROWS // 4, kind=2) == "triton"
+    assert pick(4 * CUBLAS_FROM_ROWS, dp=8) == "triton"  # half the rows per device
+    assert pick(2 * CUBLAS_FROM_ROWS, dp=2) == "cublas"
+    assert pick(1, step_gemms="cublas") == "cublas" and pick(64, step_gemms="triton") == "triton"
 
 
 def _golden_config(case):
