@@ -642,7 +642,7 @@ class EngineConfig:
     def __post_init__(self):
         if self.step_gemms not in (None, "triton", "cublas"):
             raise ConfigError(f"step_gemms={self.step_gemms!r} is not supported (None to "
-                              "choose by batch, 'triton' or 'cublas')")
+                              "choose by rows, 'triton' or 'cublas')")
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"kv_dtype={self.kv_dtype!r} is not supported (None for the "
                               "model's dtype, or 'fp8')")

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import itertools
 
+import jax
 import numpy as np
 import pytest
 
+from mtp_jax import step as step_mod
 from mtp_jax.adaptive import KController
 from mtp_jax.config import ConfigError, EngineConfig, SamplingParams, SpecConfig
 from mtp_jax.engine import Engine, Request
@@ -294,9 +296,6 @@ def test_real_controller_on_the_job_stays_lossless(model, prompts):
 def test_a_kind_drafts_over_the_positions_it_can_commit(model, monkeypatch):
     """A step of kind k runs the MTP modules over the k + 1 positions it can commit, not
     the K + 1 of the carry (on a CPU the draft's cost grows with that window)."""
-    import jax
-    from mtp_jax import step as step_mod
-
     eng = engine(model, "chain")
     widths, real = [], step_mod.draft
 
