@@ -66,7 +66,7 @@ from mtp_jax.drafting import draft  # noqa: E402
 from mtp_jax.kv_cache import PageAllocator, PagedKV, make_layout  # noqa: E402
 from mtp_jax.quant import calibrate_kv_scales  # noqa: E402
 from mtp_jax.sharding import make_mesh, shard_params, state_shardings, use_mesh  # noqa: E402
-from mtp_jax.step import Static, init_state, programs, step_gemms  # noqa: E402
+from mtp_jax.step import Static, init_state, programs, step_compiler_options  # noqa: E402
 
 MIMO_7B = dict(layout="mimo", vocab_size=151680, hidden_size=4096, intermediate_size=11008,
                num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, num_mtp_modules=3,
@@ -205,15 +205,6 @@ def _tokens(tok, b, q, vocab, spread):
     return jnp.broadcast_to(tok[:, None], (b, q))
 
 
-def step_options(static, kind=None) -> dict:
-    """The XLA options of the engine's step program of `kind` (default K): its GEMM
-    backend, for the verify and draft loops that time that step's parts."""
-    kind = static.k if kind is None else kind
-    if jax.default_backend() == "gpu" and step_gemms(static, kind) == "cublas":
-        return {"xla_gpu_enable_triton_gemm": False}
-    return {}
-
-
 def verify_loop(model, layout, b, q, mesh=None, spread=False, options=None):
     """Jitted `f(params, caches, st, n)`: n target forwards over q tokens per slot (the
     verify of a K = q - 1 step), caches donated and returned."""
@@ -278,7 +269,8 @@ def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=
     def fresh(method, ctx):
         return fresh_state(progs[method], model, b, ctx, dtype, mesh)
 
-    options = step_options(progs["chain"].static)
+    # the loops time parts of the K step: compiled with its options
+    options = step_compiler_options(progs["chain"].static, K)
     v4 = verify_loop(model, layout, b, K + 1, mesh, options=options)
     draft_k = draft_loop(model, layout, b, dtype, mesh, options=options)
     n = jnp.int32(steps)

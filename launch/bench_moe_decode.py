@@ -61,8 +61,8 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import (bench_programs, draft_loop, fresh_state, step_options,  # noqa: E402
-                          timed, verify_loop)
+from bench_decode import (bench_programs, draft_loop, fresh_state, timed,  # noqa: E402
+                          verify_loop)
 from bench_paged_attention import copy_bandwidth  # noqa: E402
 
 from mtp_jax.checkpoint import Model, abstract_model  # noqa: E402
@@ -71,6 +71,7 @@ from mtp_jax.config import (PER_LAYER_FIELDS, EngineConfig, MLAConfig,  # noqa: 
 from mtp_jax.model import cache_entry  # noqa: E402
 from mtp_jax.moe import route  # noqa: E402
 from mtp_jax.sharding import axis_size, make_mesh, param_spec  # noqa: E402
+from mtp_jax.step import step_compiler_options  # noqa: E402
 
 GLM_AIR = dict(
     layout="glm4_moe", vocab_size=151552, hidden_size=4096, intermediate_size=10944,
@@ -279,9 +280,10 @@ def bench_batch(model, b, ctx, steps, qs, dtype, mesh, acceptance, bw, sizes):
         del holder
     static = progs["chain"].static  # each loop with its step program's GEMM backend
     loops = [(f"verify{q}_ms", verify_loop(model, layout, b, q, mesh, spread=True,
-                                           options=step_options(static, q - 1)))
-             for q in qs] + [("draft_ms", draft_loop(model, layout, b, dtype, mesh, spread=True,
-                                                     k=k, options=step_options(static)))]
+                                           options=step_compiler_options(static, q - 1)))
+             for q in qs]
+    loops.append(("draft_ms", draft_loop(model, layout, b, dtype, mesh, spread=True, k=k,
+                                         options=step_compiler_options(static, k))))
     for name, fn in loops:
         st = fresh("chain")
         caches, st = st.caches, st.replace(caches=())

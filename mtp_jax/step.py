@@ -44,7 +44,7 @@ from .config import EngineConfig, ModelConfig, SpecConfig
 from .drafting import draft, mtp_prefill
 from .kv_cache import KVLayout, PagedKV, init_caches
 from .sampling import SALT_TARGET, accept, row_keys, sample
-from .sharding import P, batch_axis, shard_kernel, use_mesh
+from .sharding import P, axis_size, batch_axis, shard_kernel, use_mesh
 
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH, FINISH_ERROR = 0, 1, 2, 3
 
@@ -519,8 +519,15 @@ def step_gemms(s: Static, kind: int) -> str:
     if s.eng.step_gemms is not None:
         return s.eng.step_gemms
     dp = batch_axis(s.mesh, s.eng.max_batch)
-    slots = s.eng.max_batch // (s.mesh.shape[dp] if dp is not None else 1)
+    slots = s.eng.max_batch // (1 if dp is None else axis_size(s.mesh, dp))
     return "cublas" if slots * (kind + 1) >= CUBLAS_FROM_ROWS else "triton"
+
+
+def step_compiler_options(s: Static, kind: int) -> dict:
+    """XLA options of the decode step program of `kind` (its GEMM backend on a GPU)."""
+    if jax.default_backend() == "gpu" and step_gemms(s, kind) == "cublas":
+        return {"xla_gpu_enable_triton_gemm": False}
+    return {}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -587,10 +594,9 @@ class Programs:
         """The multi-step program of one step kind (drafts verified per step)."""
         def f(params, st, num_steps):
             return run_steps(self._merge(params), self.static, st, num_steps, kind)
-        if jax.default_backend() == "gpu" and step_gemms(self.static, kind) == "cublas":
-            return self._jit(f, 1, name=f"steps{kind}_cublas",
-                             compiler_options={"xla_gpu_enable_triton_gemm": False})
-        return self._jit(f, 1, name=f"steps{kind}")
+        # the options follow from the static config and the platform, which key the store
+        return self._jit(f, 1, name=f"steps{kind}",
+                         compiler_options=step_compiler_options(self.static, kind))
 
     @property
     def run_steps(self):
