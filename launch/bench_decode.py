@@ -4,10 +4,13 @@
   PYTHONPATH=. python launch/bench_decode.py [--shape mimo-7b|llama2-7b]
       [--batches 1,8,32,64] [--ctxs 1024,4096] [--weights bf16,int8,fp8,fp8-block]
       [--acceptance checkpoints/acceptance_bf16.json] [--profile] [--tiny]
+      [--draft-vocab 0,32768] [--draft-head none,int8]
 
 `--weights` runs the same table for the model as built and for each quantized copy
 (`mtp_jax.quantize_model`), side by side in one process, against one copy-bandwidth
 measurement; the bytes limit counts the quantized weights' bytes (values and scales).
+`--draft-vocab` and `--draft-head` do the same for a reduced draft vocabulary and for the
+draft's quantized head copy; the draft's limit counts the head it reads at that batch.
 
 Random bf16 weights arranged so that greedy decoding is a fixed permutation of the
 current token and every MTP module predicts it too (attention / MLP output projections
@@ -59,12 +62,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_paged_attention import copy_bandwidth  # noqa: E402
 import profile_trace  # noqa: E402
 
-from mtp_jax.checkpoint import Model, abstract_model, quantize_model  # noqa: E402
+from mtp_jax.checkpoint import (Model, abstract_model, quantize_model,  # noqa: E402
+                                with_draft_head)
 from mtp_jax.config import EngineConfig, ModelConfig, SpecConfig  # noqa: E402
 from mtp_jax.draft_vocab import with_draft_vocab  # noqa: E402
 from mtp_jax.drafting import draft  # noqa: E402
 from mtp_jax.kv_cache import PageAllocator, PagedKV, make_layout  # noqa: E402
-from mtp_jax.quant import calibrate_kv_scales  # noqa: E402
+from mtp_jax.quant import calibrate_kv_scales, kernel_max_rows  # noqa: E402
 from mtp_jax.sharding import make_mesh, shard_params, state_shardings, use_mesh  # noqa: E402
 from mtp_jax.step import Static, init_state, programs, step_compiler_options  # noqa: E402
 
@@ -367,6 +371,10 @@ def main(argv=None):
                     help="comma list of reduced draft vocabulary sizes to run (0: the full "
                          "vocabulary); the set is ids 0..N-1, so oracle drafts outside it are "
                          "rejected: read the draft time and the projection, not the oracle")
+    ap.add_argument("--draft-head", default="none",
+                    help="comma list of the draft's head copies to run: none, or a "
+                         "quantization mode (mtp_jax.with_draft_head: read at batches up to "
+                         "8 slots, 64 for fp8-block)")
     ap.add_argument("--steps-only", action="store_true",
                     help="time only the plain and speculative steps (skip verify / draft)")
     ap.add_argument("--profile", action="store_true", help="trace one call of each step "
@@ -402,12 +410,13 @@ def main(argv=None):
         ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 256)).tolist()
         base.kv_scales = calibrate_kv_scales(base, ids)
     rows = []
-    variants = [(w, int(n)) for w in args.weights.split(",")
-                for n in args.draft_vocab.split(",")]
-    for weights, n_draft in variants:
+    variants = [(w, int(n), h) for w in args.weights.split(",")
+                for n in args.draft_vocab.split(",") for h in args.draft_head.split(",")]
+    for weights, n_draft, draft_head in variants:
         model = base if weights in ("bf16", "f32", "none") else quantize_model(base, weights)
         if n_draft:
             model = with_draft_vocab(model, np.arange(n_draft))
+        model = with_draft_head(model, draft_head)
         model = dataclasses.replace(model, params=shard_params(model.params, mesh))
         jax.block_until_ready(model.params)
         tw = weight_bytes(model, ("target",))
@@ -417,6 +426,9 @@ def main(argv=None):
         if n_draft:  # the draft reads its reduced heads, not the target lm_head
             head_w = weight_bytes(model, ("draft_vocab",)) / len(
                 model.module().draft_vocab.heads)
+        # ... and their quantized copy at batches of few enough rows
+        copy_w = (weight_bytes(model, ("draft_heads",)) / len(model.module().draft_heads)
+                  if model.config.draft_head else None)
         log(f"weights {weights}: target {tw / 1e9:.2f} GB, MTP {mtp_w / 1e9:.2f} GB")
         for b in [int(x) for x in args.batches.split(",")]:
             for row in bench_batch(model, b, [int(x) for x in args.ctxs.split(",")],
@@ -425,8 +437,11 @@ def main(argv=None):
                 ctx = row["ctx"]
                 row["kv_dtype"] = args.kv_dtype or str(dtype)
                 plain_bytes = tw + b * ctx * kv_tok
-                draft_bytes = mtp_w + K * head_w + K * b * ctx * kv_tok / cfg.num_layers
-                row["weights"] = weights + (f" dv{n_draft}" if n_draft else "")
+                read = (copy_w if copy_w is not None
+                        and b <= kernel_max_rows(model.config.draft_head) else head_w)
+                draft_bytes = mtp_w + K * read + K * b * ctx * kv_tok / cfg.num_layers
+                row["weights"] = (weights + (f" dv{n_draft}" if n_draft else "")
+                                  + (f" dh-{draft_head}" if model.config.draft_head else ""))
                 row["plain_limit_ms"] = plain_bytes / best_bw * 1e3
                 row["plain_pct_of_limit"] = row["plain_limit_ms"] / row["none_step_ms"] * 100
                 row["draft_limit_ms"] = draft_bytes / best_bw * 1e3

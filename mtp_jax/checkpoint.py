@@ -886,17 +886,21 @@ def _full_index(index, shape) -> tuple:
     return tuple(x if isinstance(x, slice) else slice(x, x + 1) for x in index)
 
 
-def _refuse_draft_vocab(model: Model) -> None:
+def _refuse_run_time_options(model: Model) -> None:
     if model.config.draft_vocab_size:
         raise CheckpointError("this model drafts over a reduced vocabulary, a run-time "
                               "option: save the model it was made from and pass the ids "
                               "file with --draft-vocab")
+    if model.config.draft_head:
+        raise CheckpointError("this model's draft reads a quantized copy of its head, a "
+                              "run-time option: save the model it was made from and pass "
+                              f"--draft-head {model.config.draft_head}")
 
 
 def save_hf(model: Model, path: str, *, dtype=None, max_shard_bytes: Optional[int] = None,
             extra_config: Optional[dict] = None) -> None:
     """Export in the HF layout of `model.config.layout` (sharded if max_shard_bytes is set)."""
-    _refuse_draft_vocab(model)
+    _refuse_run_time_options(model)
     os.makedirs(path, exist_ok=True)
     cfg = model.config
     dt = np.dtype(ml_dtypes.bfloat16) if (dtype or cfg.dtype) == "bfloat16" else np.dtype(
@@ -1046,7 +1050,7 @@ def _str_keys(flat: dict) -> dict:
 
 def save_orbax(model: Model, path: str) -> None:
     """Save converted params with orbax, plus config.json and tokenizer.json beside them."""
-    _refuse_draft_vocab(model)
+    _refuse_run_time_options(model)
     import orbax.checkpoint as ocp
 
     path = os.path.abspath(path)
@@ -1177,7 +1181,37 @@ def quantize_model(model: Model, mode: str) -> Model:
                                                                    model.params, mode))
 
 
+def with_draft_head(model: Model, mode: str) -> Model:
+    """A copy of `model` whose draft reads a quantized copy (`quant.MODES`) of its head
+    where few rows go through it: small batches, whose head products the quantized-matmul
+    kernel streams in fewer bytes (`MTPModel.draft_logits`). The target keeps its head,
+    so verification, and with it the output, is unchanged; the copy adds the head's
+    quantized bytes to the model. With a draft vocabulary the reduced heads are copied.
+    ConfigError without MTP modules or when applied twice; QuantizationError for a model
+    whose head is already quantized, an unknown mode, or fp8 where it cannot run."""
+    mode = quant.check_mode(mode)
+    if mode is None:
+        return model
+    cfg = model.config
+    if not cfg.num_mtp_modules:
+        raise ConfigError("a draft head needs MTP modules; this model has none")
+    if cfg.draft_head:
+        raise ConfigError(f"the draft already reads a quantized ({cfg.draft_head}) copy of "
+                          "its head")
+    heads = [quant.value(w) for w in model.module().draft_head_weights()]
+    if any(quant.is_quantized(w) for w in heads):
+        raise quant.QuantizationError("the draft's head is already quantized (the model's "
+                                      "weights are): a quantized copy would gain nothing")
+    quant.check_backend(mode)
+    flat = to_flat(model.params)
+    for i, w in enumerate(heads):
+        flat[("draft_heads", i, "head")] = quant.quantize_array(w, (0,), mode)
+    extra = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)
+             if f.name not in ("config", "graphdef", "params")}
+    return from_params(dataclasses.replace(cfg, draft_head=mode), flat, model.dtype, **extra)
+
+
 __all__ = ["CheckpointError", "ConfigError", "Model", "load", "load_hf", "save_hf",
-           "quantize_model",
+           "quantize_model", "with_draft_head",
            "save_orbax", "load_orbax", "hf_key_map", "write_safetensors",
            "read_safetensors_header"]

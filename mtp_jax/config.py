@@ -192,6 +192,10 @@ class MLAConfig:
         return self.kv_lora_rank + self.qk_rope_dim
 
 
+# Weight quantization modes (quant.py): per-channel int8 / fp8, 128 x 128-block fp8.
+QUANT_MODES = ("int8", "fp8", "fp8-block")
+
+
 @dataclasses.dataclass(frozen=True)
 class WeightQuant:
     """`quantization_config` of a block-scaled checkpoint: each quantized weight [out, in]
@@ -251,6 +255,7 @@ class ModelConfig:
     mtp_shared_input: bool = False  # one fc / pre-norms / final norm for all modules (Qwen3-Next)
     mtp_sliding_windows: tuple = ()  # per MTP module: None or window size
     draft_vocab_size: int = 0  # MTP heads score only this many tokens (0: all; draft_vocab.py)
+    draft_head: Optional[str] = None  # the draft's quantized head copy (checkpoint.with_draft_head)
     moe: Optional[MoEConfig] = None  # routed experts (None: every FFN dense)
     mla: Optional[MLAConfig] = None  # latent attention (None: GQA)
     quantization: Optional[WeightQuant] = None  # how the checkpoint's weights are stored
@@ -276,6 +281,8 @@ class ModelConfig:
         if not 0 <= int(self.draft_vocab_size) <= int(self.vocab_size):
             raise ConfigError(f"draft_vocab_size={self.draft_vocab_size} must be in "
                               f"[0, vocab_size={self.vocab_size}]")
+        if self.draft_head is not None and self.draft_head not in QUANT_MODES:
+            raise ConfigError(f"draft_head={self.draft_head!r} not in {QUANT_MODES}")
         checks = {"mtp_concat_order": ("hidden_first", "embed_first"),
                   "mtp_hidden_from": ("pre_norm", "post_norm"),
                   "mtp_output_hidden": ("pre_norm", "post_norm"),

@@ -54,14 +54,11 @@ def with_draft_vocab(model, ids):
         raise ConfigError(f"draft vocabulary ids must lie in [0, {cfg.vocab_size})")
     if len(np.unique(ids)) != ids.size:
         raise ConfigError("draft vocabulary ids must be distinct")
-    m = model.module()
+    if cfg.draft_head:
+        raise ConfigError("choose the draft vocabulary first, then the draft head's "
+                          "quantization (it quantizes the reduced heads)")
     dtype = model.dtype
-    if cfg.mtp_own_head:
-        heads = [quant.value(m.mtp[k].head) for k in range(cfg.num_mtp_modules)]
-    elif m.target.lm_head is None:  # tied: the embedding's rows are the head's columns
-        heads = [quant.value(m.target.embed).T]
-    else:
-        heads = [quant.value(m.target.lm_head)]
+    heads = [quant.value(w) for w in model.module().draft_head_weights()]
     flat = to_flat(model.params)
     for i, w in enumerate(heads):  # [d, V] -> [d, n]: the rows of w.T
         cols = w.T.rows(ids, dtype) if quant.is_quantized(w) else w.T[ids]

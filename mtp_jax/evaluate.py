@@ -36,13 +36,14 @@ from typing import Optional
 
 import numpy as np
 
-from . import compile_cache, draft_vocab
+from . import compile_cache
 from .checkpoint import CheckpointError, load
 from .compile_cache import add_compile_cache_option
 from .config import (ConfigError, EngineConfig, SamplingParams, SpecConfig,
                      parse_num_speculative_tokens)
-from .generate import (Fatal, LineError, add_prefill_batch_option, add_quantize_option,
-                       apply_draft_vocab, build_request, default_model_dir, read_lines)
+from .generate import (Fatal, LineError, add_draft_options, add_prefill_batch_option,
+                       add_quantize_option, apply_draft_options, build_request,
+                       default_model_dir, read_lines)
 from .quant import mode_of
 
 DRAFT_METHODS = ("chain", "window", "per_step", "eagle")
@@ -384,7 +385,7 @@ def parse_args(argv):
     p.add_argument("--output", help="write the JSON report here")
     p.add_argument("--plot", help="write a PNG plot here")
     add_quantize_option(p)
-    draft_vocab.add_args(p)
+    add_draft_options(p)
     add_compile_cache_option(p)
     args = p.parse_args(argv)
     args.methods = tuple(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip()))
@@ -450,7 +451,7 @@ def evaluate(args, log) -> dict:
     if args.dtype == "float32":  # full f32 matmuls too (no TF32 / bf16 passes on GPU)
         jax.config.update("jax_default_matmul_precision", "highest")
     model_dir, model = load_model(args.model, args.dtype, args.quantize)
-    model = apply_draft_vocab(model, args)
+    model = apply_draft_options(model, args)
     cfg = model.config
     if cfg.num_mtp_modules < 1:
         raise Fatal(f"{model_dir} has no MTP modules: there is nothing to evaluate")
@@ -481,6 +482,8 @@ def evaluate(args, log) -> dict:
                          "max_model_len": max_len, "dataset": args.dataset,
                          "repeat": args.repeat, "weights": mode_of(model.params),
                          "kv_dtype": args.kv_dtype,
+                         "draft_vocab_size": cfg.draft_vocab_size or None,
+                         "draft_head": cfg.draft_head,
                          "num_prompts": len(prompts),
                          "skipped": num_skipped,
                          "temperature": args.temperature, "seed": args.seed},

@@ -18,13 +18,15 @@ Which positions and hiddens a draft strategy feeds in is drafting.py's business.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from .config import ModelConfig
 from .model import Attend, Block, Decoder, RMSNorm, _param
-from .quant import qeinsum, take_rows
+from .quant import qeinsum, small_product, take_rows
 
 
 class MTPInput(nnx.Module):
@@ -72,9 +74,9 @@ class DraftVocab(nnx.Module):
         count = cfg.num_mtp_modules if cfg.mtp_own_head else 1
         self.heads = nnx.List([DraftHead(d, n, dtype=dtype, rngs=rngs) for _ in range(count)])
 
-    def logits(self, k: int, normed, vocab_size: int):
-        """Full-vocabulary logits (f32) of module k: the set's scores, -inf elsewhere."""
-        head = self.heads[min(k, len(self.heads) - 1)].head
+    def logits(self, head, normed, vocab_size: int):
+        """Full-vocabulary logits (f32) from `head` [d, n] (one of `heads`, or its
+        quantized copy): the set's scores, -inf elsewhere."""
         small = qeinsum("...d,dn->...n", normed, head, preferred_element_type=jnp.float32)
         full = jnp.full(small.shape[:-1] + (vocab_size,), -jnp.inf, jnp.float32)
         return full.at[..., self.ids[...]].set(small)
@@ -92,6 +94,13 @@ class MTPModel(nnx.Module):
                            if cfg.mtp_shared_input and cfg.num_mtp_modules else None)
         self.draft_vocab = (DraftVocab(cfg, dtype=dtype, rngs=rngs)
                             if cfg.draft_vocab_size and cfg.num_mtp_modules else None)
+        # Quantized copies of the heads the draft reads (checkpoint.with_draft_head): one
+        # per weight of `draft_head_weights`, [d, draft vocabulary or V].
+        n = cfg.draft_vocab_size or cfg.vocab_size
+        count = cfg.num_mtp_modules if cfg.mtp_own_head else 1
+        self.draft_heads = (nnx.List([DraftHead(cfg.hidden_size, n, dtype=dtype, rngs=rngs)
+                                      for _ in range(count)])
+                            if cfg.draft_head and cfg.num_mtp_modules else None)
 
     def draft(self, k: int, tokens, hidden, positions, attend: Attend):
         """Run module k (0-based) on tokens [b, t] paired with consumed hiddens [b, t, d].
@@ -115,10 +124,37 @@ class MTPModel(nnx.Module):
         out = inp.final_norm(y)
         return (out if cfg.mtp_output_hidden == "post_norm" else y), out
 
-    def draft_logits(self, k: int, normed):
-        """Logits (f32) of module k for its final-normed output [..., d]."""
+    def draft_head_weights(self) -> list:
+        """The head weights [d, n] the draft reads (without `draft_heads`): the draft
+        vocabulary's, each module's own, or the target's lm_head (the embedding's
+        transpose when tied); one shared head is one entry."""
+        from .quant import value
+
         if self.draft_vocab is not None:
-            return self.draft_vocab.logits(k, normed, self.cfg.vocab_size)
+            return [h.head for h in self.draft_vocab.heads]
+        if self.cfg.mtp_own_head:
+            return [m.head for m in self.mtp]
+        if self.target.lm_head is None:
+            return [value(self.target.embed).T]
+        return [self.target.lm_head]
+
+    def draft_logits(self, k: int, normed):
+        """Logits (f32) of module k for its final-normed output [..., d].
+
+        With `draft_heads`, products the quantized-matmul kernel takes (`quant.
+        small_product`: the slots of a small batch, on one device) read the quantized copy
+        of the head; larger ones read the head itself, which streams faster there.
+        """
+        quick = (self.draft_heads is not None
+                 and small_product(math.prod(normed.shape[:-1]), self.cfg.draft_head))
+        if quick:
+            head = self.draft_heads[min(k, len(self.draft_heads) - 1)].head
+        if self.draft_vocab is not None:
+            if not quick:
+                head = self.draft_vocab.heads[min(k, len(self.draft_vocab.heads) - 1)].head
+            return self.draft_vocab.logits(head, normed, self.cfg.vocab_size)
+        if quick:
+            return qeinsum("...d,dv->...v", normed, head, preferred_element_type=jnp.float32)
         head = self.mtp[k].head
         if head is None:
             return self.target.head(normed)

@@ -35,9 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import ConfigError
+from .config import QUANT_MODES, ConfigError
 
-MODES = ("int8", "fp8", "fp8-block")
+MODES = QUANT_MODES
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
 INT8_MAX = 127.0
@@ -202,7 +202,10 @@ def compress_scale(full: np.ndarray, contract: tuple) -> np.ndarray:
 
 
 def mode_of(params) -> Optional[str]:
-    """"int8" or "fp8" when a model's params hold quantized weights, else None."""
+    """"int8" or "fp8" when a model's params hold quantized weights, else None (the
+    quantized copy of the head that only the draft reads, `draft_heads`, does not count)."""
+    if "draft_heads" in params:
+        params = {k: v for k, v in params.items() if k != "draft_heads"}
     for leaf in jax.tree_util.tree_leaves(params, is_leaf=is_quantized):
         if is_quantized(leaf):
             return "int8" if leaf.values.dtype == jnp.int8 else "fp8"
@@ -310,6 +313,21 @@ def _as_matrix(xs, ws, out, x_shape, w: QArray, contract):
     if any(s != n for s, n in zip(w.scale.shape[c:], w.shape[c:])):
         return None
     return (math.prod(x_shape[: len(x_shape) - c]), math.prod(sizes), math.prod(w.shape[c:]))
+
+
+def kernel_max_rows(mode: str) -> int:
+    """Rows up to which a product with weights quantized in `mode` runs in the Pallas
+    kernel on a GPU / TPU (`_use_kernel`)."""
+    return KERNEL_MAX_ROWS if check_mode(mode) == "fp8-block" else PER_CHANNEL_KERNEL_MAX_ROWS
+
+
+def small_product(rows: int, mode: str) -> bool:
+    """Whether a product of `rows` rows with weights quantized in `mode` is one the
+    kernel takes on one device (under a multi-device mesh XLA runs every product)."""
+    from .sharding import active_mesh
+
+    mesh = active_mesh()
+    return rows <= kernel_max_rows(mode) and (mesh is None or mesh.devices.size == 1)
 
 
 def _use_kernel(mkn: tuple, s: int, per_channel: bool, values_dtype=None) -> bool:
@@ -481,6 +499,6 @@ def spec_like(w, spec, mesh=None):
 
 
 __all__ = ["QArray", "MODES", "QuantizationError", "quantize", "quantize_module",
-           "quantize_params", "quantize_array", "quant_axes", "qeinsum", "compress_scale", "mode_of", "check_mode",
+           "quantize_params", "quantize_array", "quant_axes", "qeinsum", "compress_scale", "mode_of", "check_mode", "kernel_max_rows", "small_product",
            "check_backend", "is_quantized", "value", "spec_like", "take_rows", "expand_scale",
            "calibrate_kv_scales", "fp8_kv_attend", "FP8_KV_DTYPE"]

@@ -164,8 +164,10 @@ def test_cli_counts_text_and_generate_uses_the_file(tmp_path, capsys):
     assert generate(["--model", str(tmp_path / "m"), "--input", str(inp), "--output", str(o),
                      "--num-speculative-tokens", "2", "--max-batch", "1", "--max-model-len",
                      "64", "--draft-vocab", str(tmp_path / "ids.json"),
-                     "--draft-vocab-size", "10"]) == 0
-    assert "with a draft vocabulary of 10 tokens" in capsys.readouterr().err
+                     "--draft-vocab-size", "10", "--draft-head", "int8"]) == 0
+    # with the reduced heads' quantized copy, which one slot's draft reads
+    err = capsys.readouterr().err
+    assert "with a draft vocabulary of 10 tokens, int8 draft head" in err
     model = load(str(tmp_path / "m"))
     want = generate_reference(model, list(model.tokenizer.encode("hello").ids),
                               SamplingParams(max_tokens=10), max_len=64)[0]
@@ -174,3 +176,7 @@ def test_cli_counts_text_and_generate_uses_the_file(tmp_path, capsys):
     assert generate(["--model", str(tmp_path / "m"), "--input", str(inp), "--output",
                      str(tmp_path / "x.jsonl"), "--draft-vocab", str(tmp_path / "nope")]) != 0
     assert "--draft-vocab" in capsys.readouterr().err
+    assert generate(["--model", str(tmp_path / "m"), "--input", str(inp), "--output",
+                     str(tmp_path / "y.jsonl"), "--draft-head", "int8", "--quantize",
+                     "int8"]) != 0
+    assert "--draft-head: the draft's head is already quantized" in capsys.readouterr().err
