@@ -68,7 +68,7 @@ from mtp_jax.config import EngineConfig, ModelConfig, SpecConfig  # noqa: E402
 from mtp_jax.draft_vocab import with_draft_vocab  # noqa: E402
 from mtp_jax.drafting import draft  # noqa: E402
 from mtp_jax.kv_cache import PageAllocator, PagedKV, make_layout  # noqa: E402
-from mtp_jax.quant import calibrate_kv_scales, kernel_max_rows  # noqa: E402
+from mtp_jax.quant import calibrate_kv_scales, kernel_max_rows, mode_of  # noqa: E402
 from mtp_jax.sharding import make_mesh, shard_params, state_shardings, use_mesh  # noqa: E402
 from mtp_jax.step import Static, init_state, programs, step_compiler_options  # noqa: E402
 
@@ -184,7 +184,8 @@ def bench_programs(model, eng: EngineConfig, dtype, mesh=None, k=K,
         spec = SpecConfig(method=method, num_speculative_tokens=k)
         layout = make_layout(model.config, eng, spec.k, dtype, mtp_layers=spec.k,
                              scales=model.kv_scales)
-        static = Static(model.config, spec, eng, layout, mesh)
+        static = Static(model.config, spec, eng, layout, mesh,
+                        weights_quantized=mode_of(model.params) is not None)
         if mesh is None:
             progs[method] = programs(static, model.graphdef)
         else:

@@ -37,7 +37,7 @@ from . import compile_cache
 from .adaptive import KController
 from .config import ConfigError, EngineConfig, SamplingParams, SpecConfig
 from .kv_cache import PageAllocator, check_kernels, make_layout
-from .quant import calibrate_kv_scales
+from .quant import calibrate_kv_scales, mode_of
 from .sampling import split_seed
 from .sharding import check_mesh, shard_params, state_shardings
 from .step import (FINISH_ERROR, FINISH_LENGTH, FINISH_NONE, FINISH_STOP, Static, init_state,
@@ -169,7 +169,8 @@ class Engine:
         self.layout = make_layout(model.config, eng, k, model.dtype, mtp_layers=n_mtp,
                                   scales=scales)
         check_kernels(self.layout, eng, model.config)
-        self.static = Static(model.config, spec, eng, self.layout, mesh)
+        self.static = Static(model.config, spec, eng, self.layout, mesh,
+                             weights_quantized=mode_of(model.params) is not None)
         if mesh is None:
             self.progs = programs(self.static, model.graphdef)
         else:

@@ -103,6 +103,7 @@ class Static:
     eng: EngineConfig
     layout: KVLayout
     mesh: Optional[Mesh] = None
+    weights_quantized: bool = False  # int8 / fp8 matmul weights (quant.mode_of)
 
     @property
     def k(self) -> int:
@@ -514,10 +515,15 @@ CUBLAS_FROM_ROWS = 64
 
 def step_gemms(s: Static, kind: int) -> str:
     """'triton' or 'cublas': the backend of the dense matmuls of a decode step of `kind`
-    (drafts verified) on a GPU: EngineConfig.step_gemms, else by the verify's rows per
-    device."""
+    (drafts verified) on a GPU: EngineConfig.step_gemms, else Triton for quantized weights
+    (the products past the quantized-matmul kernel's rows are XLA's, which fuses the
+    weights' conversion into its Triton GEMM; cuBLAS would read them converted to bf16 in
+    memory: an int8 model's `chain` step at B=16 took twice as long on an H100), else by the
+    verify's rows per device."""
     if s.eng.step_gemms is not None:
         return s.eng.step_gemms
+    if s.weights_quantized:
+        return "triton"
     dp = batch_axis(s.mesh, s.eng.max_batch)
     slots = s.eng.max_batch // (1 if dp is None else axis_size(s.mesh, dp))
     return "cublas" if slots * (kind + 1) >= CUBLAS_FROM_ROWS else "triton"

@@ -353,10 +353,10 @@ def test_step_gemms_by_rows_per_device():
 
     from mtp_jax.step import CUBLAS_FROM_ROWS, step_gemms
 
-    def pick(max_batch, kind=0, dp=1, **kw):
+    def pick(max_batch, kind=0, dp=1, quantized=False, **kw):
         mesh = None if dp == 1 else SimpleNamespace(shape={"dp": dp, "tp": 1})
         return step_gemms(SimpleNamespace(eng=EngineConfig(max_batch=max_batch, **kw),
-                                          mesh=mesh), kind)
+                                          mesh=mesh, weights_quantized=quantized), kind)
 
     assert pick(1) == pick(CUBLAS_FROM_ROWS - 1) == pick(1, kind=3) == "triton"
     assert pick(CUBLAS_FROM_ROWS) == pick(CUBLAS_FROM_ROWS // 4, kind=3) == "cublas"
@@ -364,6 +364,23 @@ def test_step_gemms_by_rows_per_device():
     assert pick(4 * CUBLAS_FROM_ROWS, dp=8) == "triton"  # half the rows per device
     assert pick(2 * CUBLAS_FROM_ROWS, dp=2) == "cublas"
     assert pick(1, step_gemms="cublas") == "cublas" and pick(64, step_gemms="triton") == "triton"
+    # quantized weights: XLA fuses their conversion only into its own Triton GEMMs
+    assert pick(4 * CUBLAS_FROM_ROWS, kind=3, quantized=True) == "triton"
+    assert pick(CUBLAS_FROM_ROWS, quantized=True, step_gemms="cublas") == "cublas"
+
+
+def test_the_engine_tells_the_programs_its_weights_are_quantized():
+    from mtp_jax.checkpoint import quantize_model, with_draft_head
+    from mtp_jax.engine import Engine
+
+    from spec_models import random_model
+
+    base = random_model("mimo", seed=2)
+    eng = EngineConfig(max_batch=2, max_model_len=32, page_size=8, prefill_chunk=16)
+    spec = SpecConfig("chain", num_speculative_tokens=1)
+    flags = [Engine(m, spec, eng).static.weights_quantized
+             for m in (base, quantize_model(base, "int8"), with_draft_head(base, "int8"))]
+    assert flags == [False, True, False]  # the draft head's copy is not the weights
 
 
 def _golden_config(case):
