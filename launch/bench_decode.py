@@ -439,7 +439,8 @@ def main(argv=None):
                 row["kv_dtype"] = args.kv_dtype or str(dtype)
                 plain_bytes = tw + b * ctx * kv_tok
                 read = (copy_w if copy_w is not None
-                        and b <= kernel_max_rows(model.config.draft_head) else head_w)
+                        and b <= kernel_max_rows(model.config.draft_head)
+                        and (mesh is None or mesh.devices.size == 1) else head_w)
                 draft_bytes = mtp_w + K * read + K * b * ctx * kv_tok / cfg.num_layers
                 row["weights"] = (weights + (f" dv{n_draft}" if n_draft else "")
                                   + (f" dh-{draft_head}" if model.config.draft_head else ""))

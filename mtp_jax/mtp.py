@@ -26,7 +26,7 @@ from flax import nnx
 
 from .config import ModelConfig
 from .model import Attend, Block, Decoder, RMSNorm, _param
-from .quant import qeinsum, small_product, take_rows
+from .quant import qeinsum, small_product, take_rows, value
 
 
 class MTPInput(nnx.Module):
@@ -128,8 +128,6 @@ class MTPModel(nnx.Module):
         """The head weights [d, n] the draft reads (without `draft_heads`): the draft
         vocabulary's, each module's own, or the target's lm_head (the embedding's
         transpose when tied); one shared head is one entry."""
-        from .quant import value
-
         if self.draft_vocab is not None:
             return [h.head for h in self.draft_vocab.heads]
         if self.cfg.mtp_own_head:

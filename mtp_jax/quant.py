@@ -499,6 +499,7 @@ def spec_like(w, spec, mesh=None):
 
 
 __all__ = ["QArray", "MODES", "QuantizationError", "quantize", "quantize_module",
-           "quantize_params", "quantize_array", "quant_axes", "qeinsum", "compress_scale", "mode_of", "check_mode", "kernel_max_rows", "small_product",
-           "check_backend", "is_quantized", "value", "spec_like", "take_rows", "expand_scale",
+           "quantize_params", "quantize_array", "quant_axes", "qeinsum", "compress_scale",
+           "mode_of", "check_mode", "kernel_max_rows", "small_product", "check_backend",
+           "is_quantized", "value", "spec_like", "take_rows", "expand_scale",
            "calibrate_kv_scales", "fp8_kv_attend", "FP8_KV_DTYPE"]
