@@ -24,11 +24,12 @@ MAX_LEN = 64
 ROWS = quant.kernel_max_rows("int8")  # 8: the most rows that read the copy
 
 
-@pytest.mark.parametrize("layout,kw,vocab", [("mimo", {}, None),
-                                             ("deepseek_v3", {}, None),
-                                             ("mimo", {"tie_word_embeddings": True}, None),
-                                             ("mimo", {}, [5, 0, 17, 60, 33, 2])])
-def test_small_products_read_the_quantized_copy_larger_ones_the_head(layout, kw, vocab):
+@pytest.mark.parametrize("layout,kw,vocab,mode", [
+    ("mimo", {}, None, "int8"),
+    ("deepseek_v3", {}, None, "fp8"),
+    ("mimo", {"tie_word_embeddings": True}, None, "int8"),
+    ("mimo", {}, [5, 0, 17, 60, 33, 2], "fp8-block")])
+def test_small_products_read_the_quantized_copy_larger_ones_the_head(layout, kw, vocab, mode):
     if kw.get("tie_word_embeddings"):
         cfg = small_config(layout, **kw)
         base = from_params(cfg, to_flat(nnx.split(init_model(cfg, seed=3))[1]), jnp.float32)
@@ -36,8 +37,8 @@ def test_small_products_read_the_quantized_copy_larger_ones_the_head(layout, kw,
         base = random_model(layout, seed=3, **kw)
     if vocab is not None:
         base = dv.with_draft_vocab(base, np.array(vocab))
-    q = with_draft_head(base, "int8")
-    assert q.config.draft_head == "int8" and base.config.draft_head is None
+    q = with_draft_head(base, mode)
+    assert q.config.draft_head == mode and base.config.draft_head is None
     heads = base.module().draft_head_weights()
     copies = q.module().draft_heads
     assert len(copies) == len(heads) == (base.config.num_mtp_modules
@@ -46,20 +47,22 @@ def test_small_products_read_the_quantized_copy_larger_ones_the_head(layout, kw,
                quant.value(h).shape for c, h in zip(copies, heads))
     assert quant.mode_of(q.params) is None  # the weights stay as they were
     d = base.config.hidden_size
-    for rows in (1, ROWS, ROWS + 1):
+    most = quant.kernel_max_rows(mode)  # 8 per channel, 64 for fp8-block
+    for rows in (1, most, most + 1):
         normed = jax.random.normal(jax.random.key(rows), (rows, d))
         for k in range(base.config.num_mtp_modules):
             want = np.asarray(base.module().draft_logits(k, normed))
             got = np.asarray(q.module().draft_logits(k, normed))
-            if rows > ROWS:  # the head itself: the same logits, bit for bit
+            if rows > most:  # the head itself: the same logits, bit for bit
                 np.testing.assert_array_equal(got, want)
                 continue
             head = quant.value(copies[min(k, len(copies) - 1)].head)
             small = np.asarray(normed @ head.dequantize())
             cols = np.array(vocab) if vocab is not None else np.arange(want.shape[-1])
             np.testing.assert_allclose(got[:, cols], small, rtol=1e-5, atol=1e-5)
+            coarse = 0.02 if mode == "int8" else 0.1  # e4m3 keeps 3 mantissa bits
             np.testing.assert_allclose(got[:, cols], want[:, cols], rtol=0,
-                                       atol=0.02 * np.abs(want[:, cols]).max())
+                                       atol=coarse * np.abs(want[:, cols]).max())
             assert not np.array_equal(got[:, cols], want[:, cols])
 
 

@@ -85,6 +85,7 @@ def test_report_schema(spec_run, files):
     assert cfg["num_prompts"] == 4 and cfg["skipped"] == 0 and cfg["temperature"] == 0.0
     assert cfg["dataset"] == str(files / "data.jsonl")
     assert cfg["max_model_len"] == 16  # longest prompt + max tokens + K, rounded to a page
+    assert cfg["draft_vocab_size"] is None and cfg["draft_head"] is None
     import jax
     assert rep["device"]["jax"] == jax.__version__
     assert rep["device"]["kind"] == jax.devices()[0].device_kind
