@@ -68,7 +68,7 @@ from mtp_jax.config import EngineConfig, ModelConfig, SpecConfig  # noqa: E402
 from mtp_jax.draft_vocab import with_draft_vocab  # noqa: E402
 from mtp_jax.drafting import draft  # noqa: E402
 from mtp_jax.kv_cache import PageAllocator, PagedKV, make_layout  # noqa: E402
-from mtp_jax.quant import calibrate_kv_scales, kernel_max_rows, mode_of  # noqa: E402
+from mtp_jax.quant import calibrate_kv_scales, mode_of, small_product  # noqa: E402
 from mtp_jax.sharding import make_mesh, shard_params, state_shardings, use_mesh  # noqa: E402
 from mtp_jax.step import Static, init_state, programs, step_compiler_options  # noqa: E402
 
@@ -438,9 +438,9 @@ def main(argv=None):
                 ctx = row["ctx"]
                 row["kv_dtype"] = args.kv_dtype or str(dtype)
                 plain_bytes = tw + b * ctx * kv_tok
-                read = (copy_w if copy_w is not None
-                        and b <= kernel_max_rows(model.config.draft_head)
-                        and (mesh is None or mesh.devices.size == 1) else head_w)
+                with use_mesh(mesh):  # the rule the model reads the copy by
+                    copied = copy_w is not None and small_product(b, model.config.draft_head)
+                read = copy_w if copied else head_w
                 draft_bytes = mtp_w + K * read + K * b * ctx * kv_tok / cfg.num_layers
                 row["weights"] = (weights + (f" dv{n_draft}" if n_draft else "")
                                   + (f" dh-{draft_head}" if model.config.draft_head else ""))

@@ -624,6 +624,14 @@ def from_params(cfg: ModelConfig, flat: dict, dtype, **extra) -> Model:
     return Model(cfg, graphdef, state, **extra)
 
 
+def with_params(model: Model, cfg: ModelConfig, flat: dict) -> Model:
+    """`model` rebuilt from {state path: array} under config `cfg` (its dtype, tokenizer,
+    eos ids, path and KV scales kept): for transforms that add or replace parameters."""
+    extra = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)
+             if f.name not in ("config", "graphdef", "params")}
+    return from_params(cfg, flat, model.dtype, **extra)
+
+
 def to_flat(params) -> dict:
     return {tuple(p): v.get_value() for p, v in params.flat_state()}
 
@@ -1206,9 +1214,7 @@ def with_draft_head(model: Model, mode: str) -> Model:
     flat = to_flat(model.params)
     for i, w in enumerate(heads):
         flat[("draft_heads", i, "head")] = quant.quantize_array(w, (0,), mode)
-    extra = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)
-             if f.name not in ("config", "graphdef", "params")}
-    return from_params(dataclasses.replace(cfg, draft_head=mode), flat, model.dtype, **extra)
+    return with_params(model, dataclasses.replace(cfg, draft_head=mode), flat)
 
 
 __all__ = ["CheckpointError", "ConfigError", "Model", "load", "load_hf", "save_hf",

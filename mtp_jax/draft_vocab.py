@@ -40,7 +40,7 @@ FORMAT = "mtp_jax.draft_vocab/1"
 def with_draft_vocab(model, ids):
     """A copy of `model` whose MTP heads score only `ids` (distinct token ids)."""
     from . import quant
-    from .checkpoint import from_params, to_flat
+    from .checkpoint import to_flat, with_params
 
     cfg = model.config
     if not cfg.num_mtp_modules:
@@ -64,10 +64,7 @@ def with_draft_vocab(model, ids):
         cols = w.T.rows(ids, dtype) if quant.is_quantized(w) else w.T[ids]
         flat[("draft_vocab", "heads", i, "head")] = cols.T
     flat[("draft_vocab", "ids")] = ids.astype(np.int32)
-    extra = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)
-             if f.name not in ("config", "graphdef", "params")}
-    return from_params(dataclasses.replace(cfg, draft_vocab_size=int(ids.size)), flat,
-                       dtype, **extra)
+    return with_params(model, dataclasses.replace(cfg, draft_vocab_size=int(ids.size)), flat)
 
 
 # -------------------------------------------------------------- choosing the set

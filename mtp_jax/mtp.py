@@ -143,15 +143,15 @@ class MTPModel(nnx.Module):
         small_product`: the slots of a small batch, on one device) read the quantized copy
         of the head; larger ones read the head itself, which streams faster there.
         """
-        quick = (self.draft_heads is not None
-                 and small_product(math.prod(normed.shape[:-1]), self.cfg.draft_head))
-        if quick:
-            head = self.draft_heads[min(k, len(self.draft_heads) - 1)].head
-        if self.draft_vocab is not None:
-            if not quick:
-                head = self.draft_vocab.heads[min(k, len(self.draft_vocab.heads) - 1)].head
-            return self.draft_vocab.logits(head, normed, self.cfg.vocab_size)
-        if quick:
+        if self.draft_heads is not None and small_product(math.prod(normed.shape[:-1]),
+                                                          self.cfg.draft_head):
+            heads = self.draft_heads
+        else:
+            heads = None if self.draft_vocab is None else self.draft_vocab.heads
+        if heads is not None:
+            head = heads[min(k, len(heads) - 1)].head
+            if self.draft_vocab is not None:
+                return self.draft_vocab.logits(head, normed, self.cfg.vocab_size)
             return qeinsum("...d,dv->...v", normed, head, preferred_element_type=jnp.float32)
         head = self.mtp[k].head
         if head is None:

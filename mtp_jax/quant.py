@@ -321,13 +321,19 @@ def kernel_max_rows(mode: str) -> int:
     return KERNEL_MAX_ROWS if check_mode(mode) == "fp8-block" else PER_CHANNEL_KERNEL_MAX_ROWS
 
 
-def small_product(rows: int, mode: str) -> bool:
-    """Whether a product of `rows` rows with weights quantized in `mode` is one the
-    kernel takes on one device (under a multi-device mesh XLA runs every product)."""
+def _one_device() -> bool:
+    """No multi-device mesh is active: XLA cannot partition a Pallas call, so under one
+    every quantized product takes the XLA path."""
     from .sharding import active_mesh
 
     mesh = active_mesh()
-    return rows <= kernel_max_rows(mode) and (mesh is None or mesh.devices.size == 1)
+    return mesh is None or mesh.devices.size == 1
+
+
+def small_product(rows: int, mode: str) -> bool:
+    """Whether a product of `rows` rows with weights quantized in `mode` is one the
+    kernel takes on one device (under a multi-device mesh XLA runs every product)."""
+    return rows <= kernel_max_rows(mode) and _one_device()
 
 
 def _use_kernel(mkn: tuple, s: int, per_channel: bool, values_dtype=None) -> bool:
@@ -338,15 +344,12 @@ def _use_kernel(mkn: tuple, s: int, per_channel: bool, values_dtype=None) -> boo
     from pallas_kernels import resolve_backend
     from pallas_kernels.quant_matmul import fits
 
-    from .sharding import active_mesh
-
     backend = resolve_backend(None, BACKEND_ENV_VAR, "quantized-matmul")
     limit = PER_CHANNEL_KERNEL_MAX_ROWS if per_channel else KERNEL_MAX_ROWS
     m, k, n = mkn
     if backend == "reference" or m > limit or not fits(m, k, n, s, backend, values_dtype):
         return False
-    mesh = active_mesh()
-    return mesh is None or mesh.devices.size == 1
+    return _one_device()
 
 
 # ------------------------------------------------------------------ fp8 KV scales
