@@ -68,7 +68,7 @@ from mtp_jax.config import EngineConfig, ModelConfig, SpecConfig  # noqa: E402
 from mtp_jax.draft_vocab import with_draft_vocab  # noqa: E402
 from mtp_jax.drafting import draft  # noqa: E402
 from mtp_jax.kv_cache import PageAllocator, PagedKV, make_layout  # noqa: E402
-from mtp_jax.quant import calibrate_kv_scales, mode_of, small_product  # noqa: E402
+from mtp_jax.quant import calibrate_kv_scales, mode_of, reads_head_copy  # noqa: E402
 from mtp_jax.sharding import make_mesh, shard_params, state_shardings, use_mesh  # noqa: E402
 from mtp_jax.step import Static, init_state, programs, step_compiler_options  # noqa: E402
 
@@ -261,10 +261,11 @@ def draft_loop(model, layout, b, dtype, mesh=None, spread=False, k=K, options=No
 
 
 def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=False,
-                kv_dtype=None, profile=False, step_gemms=None):
+                kv_dtype=None, profile=False, step_gemms=None, page_size=16):
     cfg = model.config
     max_len = max(ctxs) + steps * (K + 1) * 4 + 64
-    eng = EngineConfig(max_batch=b, max_model_len=max_len, page_size=16, prefill_chunk=16,
+    eng = EngineConfig(max_batch=b, max_model_len=max_len, page_size=page_size,
+                       prefill_chunk=max(16, page_size),
                        kv_dtype=kv_dtype, step_gemms=step_gemms)
     out = []
     progs = bench_programs(model, eng, dtype, mesh)
@@ -280,7 +281,8 @@ def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=
     draft_k = draft_loop(model, layout, b, dtype, mesh, options=options)
     n = jnp.int32(steps)
     for ctx in ctxs:
-        row = dict(batch=b, ctx=ctx, mesh=str(dict(mesh.shape)) if mesh else None)
+        row = dict(batch=b, ctx=ctx, page_size=page_size,
+                   mesh=str(dict(mesh.shape)) if mesh else None)
         t0 = time.perf_counter()
         # plain and speculative steps through the engine's while loop; one state alive
         for mth, pr in progs.items():
@@ -375,7 +377,9 @@ def main(argv=None):
     ap.add_argument("--draft-head", default="none",
                     help="comma list of the draft's head copies to run: none, or a "
                          "quantization mode (mtp_jax.with_draft_head: read at batches up to "
-                         "8 slots, 64 for fp8-block)")
+                         "64 slots)")
+    ap.add_argument("--page-sizes", default="16",
+                    help="comma list of KV page sizes (tokens a page) to run")
     ap.add_argument("--steps-only", action="store_true",
                     help="time only the plain and speculative steps (skip verify / draft)")
     ap.add_argument("--profile", action="store_true", help="trace one call of each step "
@@ -413,6 +417,7 @@ def main(argv=None):
     rows = []
     variants = [(w, int(n), h) for w in args.weights.split(",")
                 for n in args.draft_vocab.split(",") for h in args.draft_head.split(",")]
+    page_sizes = [int(x) for x in args.page_sizes.split(",")]
     for weights, n_draft, draft_head in variants:
         model = base if weights in ("bf16", "f32", "none") else quantize_model(base, weights)
         if n_draft:
@@ -431,15 +436,16 @@ def main(argv=None):
         copy_w = (weight_bytes(model, ("draft_heads",)) / len(model.module().draft_heads)
                   if model.config.draft_head else None)
         log(f"weights {weights}: target {tw / 1e9:.2f} GB, MTP {mtp_w / 1e9:.2f} GB")
-        for b in [int(x) for x in args.batches.split(",")]:
+        for b, page in [(int(x), p) for x in args.batches.split(",") for p in page_sizes]:
             for row in bench_batch(model, b, [int(x) for x in args.ctxs.split(",")],
                                    args.steps, dtype, acceptance, mesh, args.steps_only,
-                                   args.kv_dtype, args.profile, args.step_gemms):
+                                   args.kv_dtype, args.profile, args.step_gemms, page):
                 ctx = row["ctx"]
-                row["kv_dtype"] = args.kv_dtype or str(dtype)
+                row["kv_dtype"] = (args.kv_dtype or str(dtype)) + (
+                    f" p{page}" if page_sizes != [16] else "")
                 plain_bytes = tw + b * ctx * kv_tok
                 with use_mesh(mesh):  # the rule the model reads the copy by
-                    copied = copy_w is not None and small_product(b, model.config.draft_head)
+                    copied = copy_w is not None and reads_head_copy(b)
                 read = copy_w if copied else head_w
                 draft_bytes = mtp_w + K * read + K * b * ctx * kv_tok / cfg.num_layers
                 row["weights"] = (weights + (f" dv{n_draft}" if n_draft else "")

@@ -2,7 +2,8 @@
 device's copy bandwidth, all measured in the same run.
 
   PYTHONPATH=. python launch/bench_paged_attention.py [--sweep] [--reps 5] [--no-mimo]
-      [--no-fp8] [--tiny]
+      [--no-fp8] [--tiny] [--sweep-pages 64,4096:16,32,64]
+      [--sweep-configs '64,4096;32,16384:4/2/3,8/2/3' --kv fp8]
 
 Shapes: bf16, Hq=32, KVH=8, D=128, page 16, pages in a random permutation of the pool,
 every row at kv_len = ctx. Bandwidth counts the K+V bytes attended:
@@ -117,14 +118,14 @@ def best_copy_bandwidth(nbytes=COPY_BYTES):
   return bws[method], f"{method}, {nbytes >> 20} MiB"
 
 
-def make_inputs(batch, ctx, q_len, key, layer=DEFAULT):
+def make_inputs(batch, ctx, q_len, key, layer=DEFAULT, page=PAGE):
   """Pool of exactly the pages needed, in random order; every row at kv_len = ctx."""
-  pages_per_seq = ctx // PAGE
+  pages_per_seq = ctx // page
   num_pages = batch * pages_per_seq
   kq, kk, kv, kp = jax.random.split(key, 4)
   q = jax.random.normal(kq, (batch, q_len, layer.hq, layer.d), jnp.bfloat16)
-  k = jax.random.normal(kk, (layer.kvh, num_pages, PAGE, layer.d), jnp.bfloat16)
-  v = jax.random.normal(kv, (layer.kvh, num_pages, PAGE, layer.dv), jnp.bfloat16)
+  k = jax.random.normal(kk, (layer.kvh, num_pages, page, layer.d), jnp.bfloat16)
+  v = jax.random.normal(kv, (layer.kvh, num_pages, page, layer.dv), jnp.bfloat16)
   tables = jax.random.permutation(kp, num_pages).reshape(batch, pages_per_seq)
   kv_lens = jnp.full((batch,), ctx, jnp.int32)
   return q, k, v, tables.astype(jnp.int32), kv_lens
@@ -293,6 +294,68 @@ def sweep_shape(results, reps, key, batch, ctx):
                        num_warps=4, num_stages=stages))
 
 
+def sweep_pages(results, reps, key, batch, ctx, pages, interpret=False):
+  """At one (batch, ctx): Q=1 and Q=4 over bf16 and fp8 pages of each page size, with
+  the default tiling for that page size and with 256 kv positions a block: whether a
+  page's contiguous bytes (page x D x itemsize per kv head) bound the kernel's rate."""
+  for page, q_len in itertools.product(pages, (1, 4)):
+    args = make_inputs(batch, ctx, q_len, key, page=page)
+    q, k, v, tables, kv_lens = args
+    k8, v8, k_scale, v_scale = quantize_kv(k, v)
+    base = default_block_config(batch, q_len, HQ, KVH, page, ctx // page, "gpu")
+    cfgs = [("default", base)]
+    if 256 // page >= 1:
+      cfgs.append(("256 positions", dataclasses.replace(base, pages_per_block=256 // page)))
+    for (tag, cfg), fp8 in itertools.product(cfgs, (False, True)):
+      fn = ours(cfg, interpret=interpret)
+      run_args = args
+      if fp8:
+        fn, run_args = scaled(fn), (q, k8, v8, tables, kv_lens, k_scale, v_scale)
+      name = f"pages B={batch} ctx={ctx} Q={q_len} page={page} {'fp8' if fp8 else 'bf16'} {tag}"
+      try:
+        _, best, med = time_per_call(fn, run_args, 1 if interpret else iters(batch, ctx),
+                                     reps)
+      except Exception as e:
+        log(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}")
+        continue
+      tbs = kv_bytes(batch, ctx, itemsize=1 if fp8 else 2) / best / 1e12
+      log(f"{name} {cfg}: {best * 1e6:.1f} us, {tbs:.2f} TB/s")
+      results.append(dict(batch=batch, ctx=ctx, q_len=q_len, page=page, fp8=fp8, tag=tag,
+                          cfg=str(cfg), best_s=best, median_s=med, tbs=tbs))
+    del args, k8, v8
+
+
+def sweep_configs(results, reps, key, shapes, configs, fp8, interpret=False):
+  """Q=1 and Q=4 at each (B, ctx) with the default tiling and with each (pages per block,
+  warps, stages) in place of the default's (its KV splits kept): whether a tiling wins
+  across shapes, not at one."""
+  for (batch, ctx), q_len in itertools.product(shapes, (1, 4)):
+    args = make_inputs(batch, ctx, q_len, key)
+    if fp8:
+      q, k, v, tables, kv_lens = args
+      k8, v8, k_scale, v_scale = quantize_kv(k, v)
+      args = (q, k8, v8, tables, kv_lens, k_scale, v_scale)
+    base = default_block_config(batch, q_len, HQ, KVH, PAGE, ctx // PAGE, "gpu",
+                                kv_dtype=FP8_DTYPE if fp8 else None)
+    cfgs = [("default", base)] + [
+        (f"{ppb}/{warps}/{stages}", dataclasses.replace(
+            base, pages_per_block=ppb, num_warps=warps, num_stages=stages))
+        for ppb, warps, stages in configs]
+    for tag, cfg in cfgs:
+      fn = scaled(ours(cfg, interpret=interpret)) if fp8 else ours(cfg, interpret=interpret)
+      name = f"configs B={batch} ctx={ctx} Q={q_len} {'fp8' if fp8 else 'bf16'} {tag}"
+      try:
+        _, best, med = time_per_call(fn, args, 1 if interpret else iters(batch, ctx), reps)
+      except Exception as e:
+        log(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}")
+        continue
+      tbs = kv_bytes(batch, ctx, itemsize=1 if fp8 else 2) / best / 1e12
+      log(f"{name} {cfg}: {best * 1e6:.1f} us, {tbs:.2f} TB/s")
+      results.append(dict(batch=batch, ctx=ctx, q_len=q_len, fp8=fp8, tag=tag, cfg=str(cfg),
+                          best_s=best, median_s=med, tbs=tbs))
+    del args
+
+
 def kv_bytes(batch, ctx, layer=DEFAULT, itemsize=2):
   """K+V bytes attended (bf16: 2 a value, fp8: 1): the window's positions only, for a
   sliding layer."""
@@ -404,6 +467,14 @@ def main():
   ap.add_argument("--sweep-splits", metavar="B1,B2,...:CTX",
                   help="time Q=1 and Q=4 at these batch sizes with the default tiling and "
                        "1 / 2 / 4 KV splits (only that)")
+  ap.add_argument("--sweep-pages", metavar="B,CTX:P1,P2,...",
+                  help="time Q=1 and Q=4 over bf16 and fp8 pages of these page sizes at "
+                       "one (B, ctx) (only that)")
+  ap.add_argument("--sweep-configs", metavar="B,CTX;...:PPB/WARPS/STAGES,...",
+                  help="time Q=1 and Q=4 at these shapes with the default tiling and each "
+                       "of these (only that; with --kv fp8 over fp8 pages)")
+  ap.add_argument("--kv", choices=("bf16", "fp8"), default="bf16",
+                  help="the pages of --sweep-configs")
   ap.add_argument("--sweep-fp8", action="store_true",
                   help="time a grid of block configs over fp8 pages (only that)")
   ap.add_argument("--no-table", action="store_true",
@@ -517,6 +588,17 @@ def main():
   if opts.sweep_shape:
     batch, ctx = map(int, opts.sweep_shape.split(","))
     sweep_shape(sweep_results, opts.reps, key, batch, ctx)
+  if opts.sweep_configs:
+    shapes, configs = opts.sweep_configs.split(":")
+    sweep_configs(sweep_results, opts.reps, key,
+                  [tuple(map(int, sh.split(","))) for sh in shapes.split(";")],
+                  [tuple(map(int, c.split("/"))) for c in configs.split(",")],
+                  opts.kv == "fp8", opts.tiny)
+  if opts.sweep_pages:
+    shape, pages = opts.sweep_pages.split(":")
+    batch, ctx = map(int, shape.split(","))
+    sweep_pages(sweep_results, opts.reps, key, batch, ctx, [int(p) for p in pages.split(",")],
+                opts.tiny)
   if opts.sweep_splits:
     batches, ctx = opts.sweep_splits.split(":")
     sweep_splits(sweep_results, opts.reps, key, [int(b) for b in batches.split(",")],
