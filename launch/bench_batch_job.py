@@ -5,6 +5,7 @@
       [--shape mimo-7b]
       [--prefill-chunk 256] [--prefill-batch 1,8] [--max-tokens 4096] [--kv-pages N]
       [--pages on-demand,reserve] [--job-programs] [--profile] [--reps 2] [--tiny]
+      [--draft-head none,int8]
 
 The 7-8B shape of launch/bench_decode.py with its oracle weights (every draft agrees),
 `requests` random prompts of `prompt-len` tokens and `new-tokens` new tokens each, one
@@ -58,6 +59,7 @@ from bench_decode import SHAPES, TINY, oracle_model, oracle_perm  # noqa: E402
 import profile_trace  # noqa: E402
 
 from mtp_jax.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig  # noqa: E402
+from mtp_jax.checkpoint import with_draft_head  # noqa: E402
 from mtp_jax.engine import Engine, Request  # noqa: E402
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core FLOP/s (SXM)
@@ -195,7 +197,7 @@ def run_job(model, method, k, rows, rule, args, prompts):
             gen = sum(len(r.token_ids) for r in res)
             flops = len(prompts) * prefill_flops(cfg, args.prompt_len, method != "none")
             best = {
-                "method": method, "k": k, "prefill_batch": eng.config.prefill_batch,
+                "method": method, "k": k, "draft_head": cfg.draft_head, "prefill_batch": eng.config.prefill_batch,
                 "prefill_chunk": eng.config.prefill_chunk,
                 "pages": rule, "preemptions": st.get("preemptions", 0),
                 "finish_reasons": sorted(collections.Counter(
@@ -263,6 +265,9 @@ def main(argv=None):
     ap.add_argument("--step-gemms", choices=("triton", "cublas"),
                     help="the decode steps' dense matmuls on a GPU (EngineConfig.step_gemms; "
                          "default: by rows)")
+    ap.add_argument("--draft-head", default="none",
+                    help="comma list of the speculative methods' draft-head copies: none, or "
+                         "a quantization mode (mtp_jax.with_draft_head)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke run)")
     args = ap.parse_args(argv)
     bad = set(args.pages.split(",")) - {"on-demand", "reserve"}
@@ -278,9 +283,15 @@ def main(argv=None):
     k = args.k if args.k == "auto" else int(args.k)
     out = os.environ.get("OUT")
     runs, want = [], None
-    for rows, rule, m in itertools.product(args.prefill_batch.split(","),
-                                           args.pages.split(","), args.methods.split(",")):
-        r = run_job(model, m, 1 if m == "none" else k,
+    heads = {}
+    for rows, rule, m, head in itertools.product(
+            args.prefill_batch.split(","), args.pages.split(","), args.methods.split(","),
+            args.draft_head.split(",")):
+        if m == "none" and head != args.draft_head.split(",")[0]:
+            continue  # no draft: one run
+        if m != "none" and head not in heads:
+            heads[head] = with_draft_head(model, head)
+        r = run_job(model if m == "none" else heads[head], m, 1 if m == "none" else k,
                     None if rows == "auto" else int(rows), rule, args, prompts)
         if want is None:
             want = r.pop("tokens")
@@ -298,7 +309,9 @@ def main(argv=None):
 def report(r: dict, first: dict, peak) -> None:
     r["vs_first"] = first["wall_s"] / r["wall_s"]
     r["prefill_pct_of_peak"] = (100 * r["prefill_flop_per_s"] / peak) if peak else None
-    print(f"{r['method']} K={r['k']} prefill batch {r['prefill_batch']} x chunk "
+    print(f"{r['method']} K={r['k']}"
+          + (f" draft head {r['draft_head']}" if r.get("draft_head") else "")
+          + f" prefill batch {r['prefill_batch']} x chunk "
           f"{r['prefill_chunk']}, pages {r['pages']}: wall "
           f"{r['wall_s']:.2f} s ({r['vs_first']:.2f}x the first), {r['tokens_per_s']:.0f} "
           f"generated tok/s; admission {r['admit_s']:.2f} s "

@@ -301,10 +301,9 @@ def add_draft_options(p) -> None:
     draft_vocab.add_args(p)
     p.add_argument("--draft-head", choices=MODES,
                    help="the draft reads a quantized copy of the head (int8 or fp8 per "
-                        "output channel, fp8-block) at batches of up to 8 slots (64 for "
-                        "fp8-block) on one device, where the quantized matmul streams it "
-                        "faster on GPU / TPU; the target keeps its head, so output is "
-                        "unchanged")
+                        "output channel, fp8-block) at batches of up to 64 slots on one "
+                        "device, where the quantized matmul streams it faster on GPU / TPU; "
+                        "the target keeps its head, so output is unchanged")
 
 
 def apply_draft_options(model, args):

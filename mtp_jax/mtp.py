@@ -26,7 +26,7 @@ from flax import nnx
 
 from .config import ModelConfig
 from .model import Attend, Block, Decoder, RMSNorm, _param
-from .quant import qeinsum, small_product, take_rows, value
+from .quant import DRAFT_HEAD_MAX_ROWS, qeinsum, reads_head_copy, take_rows, value
 
 
 class MTPInput(nnx.Module):
@@ -74,10 +74,12 @@ class DraftVocab(nnx.Module):
         count = cfg.num_mtp_modules if cfg.mtp_own_head else 1
         self.heads = nnx.List([DraftHead(d, n, dtype=dtype, rngs=rngs) for _ in range(count)])
 
-    def logits(self, head, normed, vocab_size: int):
+    def logits(self, head, normed, vocab_size: int, kernel_rows=None):
         """Full-vocabulary logits (f32) from `head` [d, n] (one of `heads`, or its
-        quantized copy): the set's scores, -inf elsewhere."""
-        small = qeinsum("...d,dn->...n", normed, head, preferred_element_type=jnp.float32)
+        quantized copy, read by the kernel up to `kernel_rows`): the set's scores, -inf
+        elsewhere."""
+        small = qeinsum("...d,dn->...n", normed, head, preferred_element_type=jnp.float32,
+                        kernel_rows=kernel_rows)
         full = jnp.full(small.shape[:-1] + (vocab_size,), -jnp.inf, jnp.float32)
         return full.at[..., self.ids[...]].set(small)
 
@@ -139,20 +141,21 @@ class MTPModel(nnx.Module):
     def draft_logits(self, k: int, normed):
         """Logits (f32) of module k for its final-normed output [..., d].
 
-        With `draft_heads`, products the quantized-matmul kernel takes (`quant.
-        small_product`: the slots of a small batch, on one device) read the quantized copy
-        of the head; larger ones read the head itself, which streams faster there.
+        With `draft_heads`, products of up to 64 rows on one device (`quant.
+        reads_head_copy`) read the quantized copy of the head through the quantized-matmul
+        kernel; larger ones read the head itself, which streams faster there.
         """
-        if self.draft_heads is not None and small_product(math.prod(normed.shape[:-1]),
-                                                          self.cfg.draft_head):
-            heads = self.draft_heads
+        rows = None  # the kernel's own limit, unless the copy is read
+        if self.draft_heads is not None and reads_head_copy(math.prod(normed.shape[:-1])):
+            heads, rows = self.draft_heads, DRAFT_HEAD_MAX_ROWS
         else:
             heads = None if self.draft_vocab is None else self.draft_vocab.heads
         if heads is not None:
             head = heads[min(k, len(heads) - 1)].head
             if self.draft_vocab is not None:
-                return self.draft_vocab.logits(head, normed, self.cfg.vocab_size)
-            return qeinsum("...d,dv->...v", normed, head, preferred_element_type=jnp.float32)
+                return self.draft_vocab.logits(head, normed, self.cfg.vocab_size, rows)
+            return qeinsum("...d,dv->...v", normed, head, preferred_element_type=jnp.float32,
+                           kernel_rows=rows)
         head = self.mtp[k].head
         if head is None:
             return self.target.head(normed)

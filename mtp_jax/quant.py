@@ -50,6 +50,14 @@ BACKEND_ENV_VAR = "MTP_JAX_QMATMUL_BACKEND"
 # 32-56 % of the copy bandwidth; at 16 rows they were level); launch/bench_quant_matmul.py.
 KERNEL_MAX_ROWS = 64
 PER_CHANNEL_KERNEL_MAX_ROWS = 8
+# Rows up to which the draft reads its head's quantized copy, always through the kernel
+# (`qeinsum(..., kernel_rows=)`): the copy must beat the bf16 head in programs of either
+# GEMM backend, and XLA's int8 path writes the weights out in bf16 under cuBLAS (the
+# decode steps' backend from 64 rows). H100, MiMo-7B lm_head 4096 x 151680, 8 / 16 / 32 /
+# 64 rows, us (launch/bench_quant_matmul.py): bf16 XLA dot 414 / 425 / 430 / 434; int8
+# kernel 261 / 261 / 283 / 277; fp8 per channel 341 / 345 / 346 / 420; fp8-block 300 /
+# 297 / 316 / 347.
+DRAFT_HEAD_MAX_ROWS = 64
 
 
 class QuantizationError(ConfigError):
@@ -263,12 +271,13 @@ def quantize_array(w, contract, mode: str) -> QArray:
 
 
 # ---------------------------------------------------------------------- the matmul
-def qeinsum(spec: str, x, w, *, preferred_element_type=None):
+def qeinsum(spec: str, x, w, *, preferred_element_type=None, kernel_rows=None):
     """`jnp.einsum(spec, x, w)` where w may be a QArray (module docstring).
 
     Two operands, explicit output, w's letters unique, an ellipsis only leading x and the
     output; the result has x's dtype unless `preferred_element_type` says otherwise (as
-    jnp.einsum)."""
+    jnp.einsum). `kernel_rows`: the most rows the kernel takes (default by the scales:
+    KERNEL_MAX_ROWS, PER_CHANNEL_KERNEL_MAX_ROWS)."""
     w = value(w)
     if not is_quantized(w):
         return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
@@ -279,7 +288,7 @@ def qeinsum(spec: str, x, w, *, preferred_element_type=None):
     per_channel = all(w.scale.shape[a] == 1 for a in contract)
     mat = _as_matrix(xs, ws, out, x.shape, w, contract)
     if mat is not None and _use_kernel(mat, w.scale.size // mat[2], per_channel,
-                                       w.values.dtype):
+                                       w.values.dtype, kernel_rows):
         from pallas_kernels.quant_matmul import quant_matmul
 
         m, k, n = mat
@@ -315,12 +324,6 @@ def _as_matrix(xs, ws, out, x_shape, w: QArray, contract):
     return (math.prod(x_shape[: len(x_shape) - c]), math.prod(sizes), math.prod(w.shape[c:]))
 
 
-def kernel_max_rows(mode: str) -> int:
-    """Rows up to which a product with weights quantized in `mode` runs in the Pallas
-    kernel on a GPU / TPU (`_use_kernel`)."""
-    return KERNEL_MAX_ROWS if check_mode(mode) == "fp8-block" else PER_CHANNEL_KERNEL_MAX_ROWS
-
-
 def _one_device() -> bool:
     """No multi-device mesh is active: XLA cannot partition a Pallas call, so under one
     every quantized product takes the XLA path."""
@@ -330,22 +333,26 @@ def _one_device() -> bool:
     return mesh is None or mesh.devices.size == 1
 
 
-def small_product(rows: int, mode: str) -> bool:
-    """Whether a product of `rows` rows with weights quantized in `mode` is one the
-    kernel takes on one device (under a multi-device mesh XLA runs every product)."""
-    return rows <= kernel_max_rows(mode) and _one_device()
+def reads_head_copy(rows: int) -> bool:
+    """Whether a draft product of `rows` rows reads the quantized copy of its head
+    (checkpoint.with_draft_head): up to DRAFT_HEAD_MAX_ROWS, through the kernel, on one
+    device (under a multi-device mesh XLA runs every quantized product, and the bf16 head
+    streams faster than XLA's path for it in a cuBLAS program)."""
+    return rows <= DRAFT_HEAD_MAX_ROWS and _one_device()
 
 
-def _use_kernel(mkn: tuple, s: int, per_channel: bool, values_dtype=None) -> bool:
+def _use_kernel(mkn: tuple, s: int, per_channel: bool, values_dtype=None,
+                limit=None) -> bool:
     """Whether the Pallas kernel computes x [M, K] @ w [K, N] (S scale rows): a GPU / TPU
     backend (or $MTP_JAX_QMATMUL_BACKEND naming one; `reference` never), decode sizes
-    (KERNEL_MAX_ROWS, PER_CHANNEL_KERNEL_MAX_ROWS), shapes its blocks tile, one device
-    (XLA cannot partition a Pallas call: under a mesh the XLA path runs)."""
+    (`limit` rows, else KERNEL_MAX_ROWS, PER_CHANNEL_KERNEL_MAX_ROWS), shapes its blocks
+    tile, one device (XLA cannot partition a Pallas call: under a mesh the XLA path runs)."""
     from pallas_kernels import resolve_backend
     from pallas_kernels.quant_matmul import fits
 
     backend = resolve_backend(None, BACKEND_ENV_VAR, "quantized-matmul")
-    limit = PER_CHANNEL_KERNEL_MAX_ROWS if per_channel else KERNEL_MAX_ROWS
+    if limit is None:
+        limit = PER_CHANNEL_KERNEL_MAX_ROWS if per_channel else KERNEL_MAX_ROWS
     m, k, n = mkn
     if backend == "reference" or m > limit or not fits(m, k, n, s, backend, values_dtype):
         return False
@@ -503,6 +510,6 @@ def spec_like(w, spec, mesh=None):
 
 __all__ = ["QArray", "MODES", "QuantizationError", "quantize", "quantize_module",
            "quantize_params", "quantize_array", "quant_axes", "qeinsum", "compress_scale",
-           "mode_of", "check_mode", "kernel_max_rows", "small_product", "check_backend",
+           "mode_of", "check_mode", "reads_head_copy", "check_backend",
            "is_quantized", "value", "spec_like", "take_rows", "expand_scale",
            "calibrate_kv_scales", "fp8_kv_attend", "FP8_KV_DTYPE"]

@@ -21,7 +21,7 @@ from mtp_jax.reference import generate_reference
 from spec_models import markov_model, random_model, small_config
 
 MAX_LEN = 64
-ROWS = quant.kernel_max_rows("int8")  # 8: the most rows that read the copy
+ROWS = quant.DRAFT_HEAD_MAX_ROWS  # 64: the most rows that read the copy
 
 
 @pytest.mark.parametrize("layout,kw,vocab,mode", [
@@ -47,13 +47,12 @@ def test_small_products_read_the_quantized_copy_larger_ones_the_head(layout, kw,
                quant.value(h).shape for c, h in zip(copies, heads))
     assert quant.mode_of(q.params) is None  # the weights stay as they were
     d = base.config.hidden_size
-    most = quant.kernel_max_rows(mode)  # 8 per channel, 64 for fp8-block
-    for rows in (1, most, most + 1):
+    for rows in (1, ROWS, ROWS + 1):
         normed = jax.random.normal(jax.random.key(rows), (rows, d))
         for k in range(base.config.num_mtp_modules):
             want = np.asarray(base.module().draft_logits(k, normed))
             got = np.asarray(q.module().draft_logits(k, normed))
-            if rows > most:  # the head itself: the same logits, bit for bit
+            if rows > ROWS:  # the head itself: the same logits, bit for bit
                 np.testing.assert_array_equal(got, want)
                 continue
             head = quant.value(copies[min(k, len(copies) - 1)].head)
@@ -79,10 +78,12 @@ def generate(model, prompts, max_batch):
                          for i, p in enumerate(prompts)])
 
 
-def test_output_is_the_targets_whatever_the_copy_holds(model):
+def test_output_is_the_targets_whatever_the_copy_holds(model, monkeypatch):
     """A copy that drafts the worst token (the negated head) takes every acceptance at a
     small batch; at a larger one only the first drafts, which the admission's prefill
-    makes over its one row. The output stays the plain greedy output."""
+    makes over its one row. The output stays the plain greedy output. (The copy's row
+    limit is lowered to 3 so that the larger batch stays small.)"""
+    monkeypatch.setattr(quant, "DRAFT_HEAD_MAX_ROWS", 3)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 61, size=n).tolist() for n in (3, 9, 17)]
     want = [generate_reference(model, p, SamplingParams(max_tokens=30), max_len=MAX_LEN)[0]
@@ -93,7 +94,7 @@ def test_output_is_the_targets_whatever_the_copy_holds(model):
         -quant.value(model.module().target.lm_head), (0,), "int8")
     worst = from_params(q.config, flat, jnp.float32)
     small = generate(worst, prompts, max_batch=3)  # 3 rows: the copy
-    large = generate(worst, prompts, max_batch=ROWS + 1)  # the head
+    large = generate(worst, prompts, max_batch=4)  # the head
     for res in (small, large):
         assert [r.token_ids for r in res] == want
     assert all(r.accepted_per_depth == [0, 0, 0] for r in small)
@@ -124,6 +125,24 @@ def test_errors_and_what_does_not_combine(tmp_path):
     assert quant.mode_of(both.params) == "int8"
 
 
+def test_the_copy_goes_to_the_kernel_up_to_its_own_rows(monkeypatch):
+    """The copy's products take the kernel up to DRAFT_HEAD_MAX_ROWS rows whatever the
+    per-channel limit (8); a quantized model's own heads keep that limit."""
+    monkeypatch.setenv(quant.BACKEND_ENV_VAR, "gpu")
+    assert quant._use_kernel((ROWS, 128, 256), 1, True, jnp.int8, ROWS)
+    assert not quant._use_kernel((ROWS + 1, 128, 256), 1, True, jnp.int8, ROWS)
+    assert not quant._use_kernel((9, 128, 256), 1, True, jnp.int8)
+    limits = []
+    monkeypatch.setattr(quant, "_use_kernel",
+                        lambda mkn, s, per_channel, values_dtype=None, limit=None:
+                        limits.append((mkn[0], limit)) or False)
+    base = random_model("mimo", seed=4)
+    normed = jnp.ones((32, base.config.hidden_size))
+    with_draft_head(base, "int8").module().draft_logits(0, normed)
+    quantize_model(base, "int8").module().draft_logits(0, normed)
+    assert limits == [(32, ROWS), (32, None)]
+
+
 def test_only_one_device_reads_the_copy(monkeypatch):
     """Under a multi-device mesh XLA runs every quantized product (no kernel), so the
     draft reads the head itself there."""
@@ -131,11 +150,10 @@ def test_only_one_device_reads_the_copy(monkeypatch):
 
     from mtp_jax import sharding
 
-    assert quant.small_product(ROWS, "int8") and not quant.small_product(ROWS + 1, "int8")
-    assert quant.small_product(64, "fp8-block") and not quant.small_product(65, "fp8-block")
+    assert quant.reads_head_copy(ROWS) and not quant.reads_head_copy(ROWS + 1)
     monkeypatch.setattr(sharding, "active_mesh",
                         lambda: SimpleNamespace(devices=np.empty((1, 2))))
-    assert not quant.small_product(1, "int8")
+    assert not quant.reads_head_copy(1)
     monkeypatch.setattr(sharding, "active_mesh",
                         lambda: SimpleNamespace(devices=np.empty((1, 1))))
-    assert quant.small_product(1, "int8")
+    assert quant.reads_head_copy(1)

@@ -77,7 +77,8 @@ def test_qeinsum_through_the_kernel_lays_every_form_out_as_a_matrix(mode, monkey
         return real(x, values, scale, backend="gpu", interpret=True)
 
     monkeypatch.setattr(qm, "quant_matmul", interpreted)
-    monkeypatch.setattr(quant, "_use_kernel", lambda mkn, s, per_channel, values_dtype=None: True)
+    monkeypatch.setattr(quant, "_use_kernel",
+                        lambda mkn, s, per_channel, values_dtype=None, limit=None: True)
     for spec, shape, contract, xshape in FORMS:
         rng = np.random.default_rng(1)
         w = rng.standard_normal([n * 4 if a < len(contract) else -(-n // 4) * 16
