@@ -108,6 +108,10 @@ CASES = {c.name: c for c in [
          scales=True, overrides=(("pages_per_block", 1), ("num_splits", 2))),
     # fp8 without scales (1.0), and scales over bf16 pages (they apply whatever the dtype).
     Case("decode_g1_ps8_fp8_no_scales_f32", 1, 1, 8, (7, 8, 9, 0), kv_dtype=FP8),
+    # the GPU default for fp8 pages with many programs: 64 kv positions, 2 warps, 3 stages
+    Case("q4_g4_ps16_fp8_2warps", 4, 4, 16, (0, 15, 64, 77), jnp.bfloat16, kv_dtype=FP8,
+         scales=True, overrides=(("pages_per_block", 4), ("num_splits", 1),
+                                 ("num_warps", 2), ("num_stages", 3))),
     Case("q4_g4_ps16_bf16_pages_scales", 4, 4, 16, (16, 33, 4), jnp.bfloat16, scales=True,
          overrides=(("pages_per_block", 2),)),
     # Page size 32: what the TPU kernel needs for 1-byte pages (whole (32, 128) tiles).
@@ -325,6 +329,21 @@ def test_gpu_default_splits_kv_only_below_a_wave_of_programs():
   assert [splits(b, q) for b in (17, 32, 64) for q in (1, 4)] == [1] * 6  # 136 and more
   # never more splits than kv blocks (256 positions: 2 blocks of 8 pages)
   assert default_block_config(1, 1, 32, 8, 16, 16, "gpu", num_cores=132).num_splits == 2
+
+
+def test_gpu_default_fp8_pages_take_two_warps_from_2_5_programs_an_sm():
+  # Hq 32 / KVH 8, page 16, 4k context, 132 SMs: B x 8 programs
+  def cfg(batch, kv_dtype, q_len=1):
+    return default_block_config(batch, q_len, 32, 8, 16, 256, "gpu", num_cores=132,
+                                kv_dtype=kv_dtype)
+
+  for batch, q_len in ((64, 1), (64, 4), (42, 1)):  # 512 and 336 programs
+    got = cfg(batch, FP8, q_len)
+    assert (got.pages_per_block, got.num_splits, got.rows_per_block, got.num_warps,
+            got.num_stages) == (4, 1, 16, 2, 3)
+  assert cfg(64, jnp.bfloat16) == cfg(64, None)  # bf16 pages keep theirs
+  assert cfg(41, FP8) == cfg(41, None)  # 328 programs: fewer than 2.5 an SM
+  assert cfg(64, FP8, q_len=32) == cfg(64, None, q_len=32)  # a prefill chunk's tiling
 
 
 def test_backend_dispatch(monkeypatch):
