@@ -70,7 +70,8 @@ from mtp_jax.drafting import draft  # noqa: E402
 from mtp_jax.kv_cache import PageAllocator, PagedKV, make_layout  # noqa: E402
 from mtp_jax.quant import calibrate_kv_scales, mode_of, reads_head_copy  # noqa: E402
 from mtp_jax.sharding import make_mesh, shard_params, state_shardings, use_mesh  # noqa: E402
-from mtp_jax.step import Static, init_state, programs, step_compiler_options  # noqa: E402
+from mtp_jax.step import (Static, decode_step, init_state, programs,  # noqa: E402
+                          step_compiler_options)
 
 MIMO_7B = dict(layout="mimo", vocab_size=151680, hidden_size=4096, intermediate_size=11008,
                num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, num_mtp_modules=3,
@@ -260,8 +261,24 @@ def draft_loop(model, layout, b, dtype, mesh=None, spread=False, k=K, options=No
     return f
 
 
+def fixed_trip_loop(model, static: Static, steps: int):
+    """Jitted `f(params, st)`: `steps` decode steps of the program's kind in a loop of a
+    static trip count (no predicate read between steps), state donated."""
+    kind = static.k
+
+    @functools.partial(jax.jit, donate_argnums=(1,),
+                       compiler_options=step_compiler_options(static, kind) or None)
+    def f(params, st):
+        m = nnx.merge(model.graphdef, params)
+        with use_mesh(static.mesh):
+            return jax.lax.fori_loop(0, steps, lambda i, st: decode_step(m, static, st, kind),
+                                     st)
+    return f
+
+
 def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=False,
-                kv_dtype=None, profile=False, step_gemms=None, page_size=16):
+                kv_dtype=None, profile=False, step_gemms=None, page_size=16,
+                fixed_trip=False):
     cfg = model.config
     max_len = max(ctxs) + steps * (K + 1) * 4 + 64
     eng = EngineConfig(max_batch=b, max_model_len=max_len, page_size=page_size,
@@ -294,6 +311,16 @@ def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=
             best, med = timed(run)
             row[f"{mth}_step_ms"] = best / steps * 1e3
             row[f"{mth}_step_ms_median"] = med / steps * 1e3
+            if fixed_trip:  # the same steps without the while loop's predicate, from a
+                # fresh state (the one above may be near its slots' limit)
+                fixed = fixed_trip_loop(model, pr.static, steps)
+                holder["st"] = jax.block_until_ready(fixed(p, fresh(mth, ctx)))
+
+                def run_fixed():
+                    holder["st"] = jax.block_until_ready(fixed(p, holder["st"]))
+                row[f"{mth}_fixed_step_ms"] = timed(run_fixed)[0] / steps * 1e3
+                log(f"{mth} B={b} ctx={ctx}: step {row[f'{mth}_step_ms']:.3f} ms in the "
+                    f"while loop, {row[f'{mth}_fixed_step_ms']:.3f} ms at a fixed trip count")
             if profile:  # one more timed call, traced: the step's kernels by kind
                 folder = tempfile.mkdtemp(prefix=f"trace_{mth}_")
                 with profile_trace.traced(folder):
@@ -378,6 +405,9 @@ def main(argv=None):
                     help="comma list of the draft's head copies to run: none, or a "
                          "quantization mode (mtp_jax.with_draft_head: read at batches up to "
                          "64 slots)")
+    ap.add_argument("--fixed-trip", action="store_true",
+                    help="also time the steps in a loop of a static trip count (no predicate "
+                         "read between steps) beside the engine's while loop")
     ap.add_argument("--page-sizes", default="16",
                     help="comma list of KV page sizes (tokens a page) to run")
     ap.add_argument("--steps-only", action="store_true",
@@ -439,7 +469,8 @@ def main(argv=None):
         for b, page in [(int(x), p) for x in args.batches.split(",") for p in page_sizes]:
             for row in bench_batch(model, b, [int(x) for x in args.ctxs.split(",")],
                                    args.steps, dtype, acceptance, mesh, args.steps_only,
-                                   args.kv_dtype, args.profile, args.step_gemms, page):
+                                   args.kv_dtype, args.profile, args.step_gemms, page,
+                                   args.fixed_trip):
                 ctx = row["ctx"]
                 row["kv_dtype"] = (args.kv_dtype or str(dtype)) + (
                     f" p{page}" if page_sizes != [16] else "")
