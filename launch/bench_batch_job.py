@@ -98,8 +98,8 @@ class TimedEngine(Engine):
             def __getattr__(self, name):
                 return getattr(progs, name)
 
-            def steps(self, kind):
-                fn = progs.steps(kind)
+            def steps(self, kind, sampled=True):
+                fn = progs.steps(kind, sampled)
 
                 def call(*a):
                     owner._t_dispatch = time.perf_counter()

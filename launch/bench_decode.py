@@ -19,7 +19,7 @@ always agrees". All timings use the engine's own jitted programs on a state buil
 directly at the wanted context (every slot active, kv_len = ctx; prefill is not timed).
 
 Per (batch B, context ctx), all in one run with the copy bandwidth measured beside them:
-- plain decode step (`method=none`, the engine's `run_steps` loop, per step) against
+- plain decode step (`method=none`, the engine's step loop for greedy rows, per step) against
   the limit (target weights bytes + KV bytes read) / copy bandwidth;
 - verify: target forward over K+1 = 4 tokens per slot (N times in one jitted
   `fori_loop`) divided by the plain step time;
@@ -278,7 +278,7 @@ def fixed_trip_loop(model, static: Static, steps: int):
 
 def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=False,
                 kv_dtype=None, profile=False, step_gemms=None, page_size=16,
-                fixed_trip=False):
+                fixed_trip=False, sampled_steps=False):
     cfg = model.config
     max_len = max(ctxs) + steps * (K + 1) * 4 + 64
     eng = EngineConfig(max_batch=b, max_model_len=max_len, page_size=page_size,
@@ -301,19 +301,28 @@ def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=
         row = dict(batch=b, ctx=ctx, page_size=page_size,
                    mesh=str(dict(mesh.shape)) if mesh else None)
         t0 = time.perf_counter()
-        # plain and speculative steps through the engine's while loop; one state alive
+        # plain and speculative steps through the engine's while loop, the program the
+        # engine runs for greedy rows (on a GPU without the sampled paths); one state alive
         for mth, pr in progs.items():
-            holder = {"st": jax.block_until_ready(pr.run_steps(p, fresh(mth, ctx),
-                                                               jnp.int32(1)))}
+            prog = pr.steps(pr.static.k, sampled=jax.default_backend() != "gpu")
+            holder = {"st": jax.block_until_ready(prog(p, fresh(mth, ctx), jnp.int32(1)))}
 
-            def run():
-                holder["st"] = jax.block_until_ready(pr.run_steps(p, holder["st"], n))
+            def run(prog=prog):
+                holder["st"] = jax.block_until_ready(prog(p, holder["st"], n))
             best, med = timed(run)
             row[f"{mth}_step_ms"] = best / steps * 1e3
             row[f"{mth}_step_ms_median"] = med / steps * 1e3
+            if sampled_steps:  # the program with the sampled paths, from a fresh state
+                other = pr.steps(pr.static.k, sampled=True)
+                holder["st"] = jax.block_until_ready(other(p, fresh(mth, ctx), jnp.int32(1)))
+                row[f"{mth}_sampled_step_ms"] = timed(
+                    functools.partial(run, prog=other))[0] / steps * 1e3
+                log(f"{mth} B={b} ctx={ctx}: step {row[f'{mth}_step_ms']:.3f} ms, with the "
+                    f"sampled paths {row[f'{mth}_sampled_step_ms']:.3f} ms")
             if fixed_trip:  # the same steps without the while loop's predicate, from a
                 # fresh state (the one above may be near its slots' limit)
-                fixed = fixed_trip_loop(model, pr.static, steps)
+                fixed = fixed_trip_loop(model, dataclasses.replace(
+                    pr.static, sampled=jax.default_backend() != "gpu"), steps)
                 holder["st"] = jax.block_until_ready(fixed(p, fresh(mth, ctx)))
 
                 def run_fixed():
@@ -357,12 +366,13 @@ def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=
         # idle: engine pattern (dispatches + host collect) vs the same steps in one dispatch
         one_s = row["chain_step_ms"] * steps / 1e3
         st = fresh("chain", ctx)
-        st = jax.block_until_ready(progs["chain"].run_steps(p, st, jnp.int32(1)))
+        chain = progs["chain"].steps(K, sampled=jax.default_backend() != "gpu")
+        st = jax.block_until_ready(chain(p, st, jnp.int32(1)))
         gen0 = int(np.sum(jax.device_get(st.num_generated)))
         t0e = time.perf_counter()
         dispatches = 4
         for _ in range(dispatches):
-            st = progs["chain"].run_steps(p, st, jnp.int32(steps // dispatches))
+            st = chain(p, st, jnp.int32(steps // dispatches))
             small = jax.device_get((st.active, st.finish, st.num_generated, st.steps,
                                     st.accepted))
         eng_s = time.perf_counter() - t0e
@@ -405,6 +415,9 @@ def main(argv=None):
                     help="comma list of the draft's head copies to run: none, or a "
                          "quantization mode (mtp_jax.with_draft_head: read at batches up to "
                          "64 slots)")
+    ap.add_argument("--sampled-steps", action="store_true",
+                    help="also time the step programs with the sampled rows' paths (the "
+                         "engine's for batches with a sampled row; on a CPU, always)")
     ap.add_argument("--fixed-trip", action="store_true",
                     help="also time the steps in a loop of a static trip count (no predicate "
                          "read between steps) beside the engine's while loop")
@@ -470,7 +483,7 @@ def main(argv=None):
             for row in bench_batch(model, b, [int(x) for x in args.ctxs.split(",")],
                                    args.steps, dtype, acceptance, mesh, args.steps_only,
                                    args.kv_dtype, args.profile, args.step_gemms, page,
-                                   args.fixed_trip):
+                                   args.fixed_trip, args.sampled_steps):
                 ctx = row["ctx"]
                 row["kv_dtype"] = (args.kv_dtype or str(dtype)) + (
                     f" p{page}" if page_sizes != [16] else "")

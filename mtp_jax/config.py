@@ -645,6 +645,10 @@ class EngineConfig:
     # XLA's dense matmuls in the decode steps on a GPU: "triton" (XLA's Triton GEMMs,
     # split-K for a few rows) or "cublas". None: by rows per device (step.step_gemms)
     step_gemms: Optional[str] = None
+    # Dispatches whose running rows are all greedy take step programs without the sampled
+    # rows' paths: their conditionals read a predicate back to the host on a GPU (several
+    # round trips a step), and the draft's log-probs are not written. None: on a GPU.
+    greedy_steps: Optional[bool] = None
 
     def __post_init__(self):
         if self.step_gemms not in (None, "triton", "cublas"):

@@ -34,13 +34,14 @@ from .sampling import SALT_DRAFT, SALT_TARGET, row_keys, sample
 
 
 def draft(model, method: str, k: int, kv, win_tokens, win_hidden, win_pos, sp, *,
-          coupled=False):
+          coupled=False, sampled=True):
     """k drafts [b, k] and their processed log-probs [b, k, v] from a window [b, W].
 
     Only the first k modules run, over the whole window (the decode step passes the k + 1
     positions a kind of k drafts can commit). `kv` is the PagedKV of the traced program; `sp`
     holds per-row temperature, top_k, top_p [b] and seeds [b, 2]. `coupled`: sampled
-    drafts use the target's key of their position (see sampling.accept).
+    drafts use the target's key of their position (see sampling.accept). `sampled` False:
+    every row is greedy, the drafts are argmaxes and the log-probs None.
     """
     cfg = model.cfg
     a = win_pos[:, -1]
@@ -51,7 +52,7 @@ def draft(model, method: str, k: int, kv, win_tokens, win_hidden, win_pos, sp, *
         logits = model.draft_logits(m, normed)
         keys = row_keys(sp.seed, (a + 2 + depth)[:, None],
                         SALT_TARGET if coupled else SALT_DRAFT)[:, 0]
-        tok, logp = sample(logits, sp.temperature, sp.top_k, sp.top_p, keys)
+        tok, logp = sample(logits, sp.temperature, sp.top_k, sp.top_p, keys, sampled=sampled)
         drafts.append(tok)
         logps.append(logp)
         return tok
@@ -80,7 +81,7 @@ def draft(model, method: str, k: int, kv, win_tokens, win_hidden, win_pos, sp, *
             d = pick(m, normed[:, 0], s)
     else:
         raise ValueError(f"no drafting for method {method!r}")
-    return jnp.stack(drafts, axis=1), jnp.stack(logps, axis=1)
+    return jnp.stack(drafts, axis=1), jnp.stack(logps, axis=1) if sampled else None
 
 
 def mtp_prefill(model, method: str, k: int, kv, tokens_ext, hidden_ext, pos, kv_lens):

@@ -185,6 +185,7 @@ class Engine:
         self.queue: collections.deque = collections.deque()
         self.compile_seconds = 0.0
         self._warm = False
+        self._warm_variants: set = set()  # step-program variants warmed (sampled or not)
         self.stats = collections.Counter()
         self.control = KController(k) if spec.adaptive else None
         self.step_prior = None  # seconds per step of each kind at warmup (adaptive only)
@@ -221,9 +222,14 @@ class Engine:
 
     def warmup(self) -> float:
         """Compile every program (all prefill buckets and row counts) on idle slots;
-        returns seconds. Again after `jax.clear_caches()` dropped the executables."""
-        if self._warm and all(self.cache_sizes().values()):
+        returns seconds. Again after `jax.clear_caches()` dropped the executables, and when
+        the queued requests need a step-program variant not yet compiled (greedy or
+        sampled, `greedy_steps`)."""
+        variants = self._step_variants()
+        if (self._warm and set(variants) <= self._warm_variants
+                and all(self.cache_sizes().values())):
             return 0.0
+        variants = tuple(sorted(self._warm_variants | set(variants)))
         t0 = time.perf_counter()
         p, st = self.model.params, self.state
         for r, c in self.prefill_programs():  # padding rows only: nothing is written
@@ -244,9 +250,10 @@ class Engine:
         self._admit([self._admission(0, Request(None, [0]), [[] for _ in self.layout.groups],
                                      limit=0)])
         for kind in self.static.kinds:
-            self.state = self.progs.steps(kind)(p, self.state, jnp.int32(1))
+            for sampled in variants:
+                self.state = self.progs.steps(kind, sampled)(p, self.state, jnp.int32(1))
         if self.control is not None:  # the adaptive controller's cost prior
-            self.step_prior = self._time_kinds()
+            self.step_prior = self._time_kinds(sampled=variants[-1])
             self.control.prior_cost = self.step_prior
         b, w = self.config.max_batch, self.layout.width  # the page-growth program, a no-op
         self.state = self.progs.grow(self.state, np.zeros((b,), bool),
@@ -254,10 +261,29 @@ class Engine:
                                      np.zeros((w,), np.int32))
         self.state = jax.block_until_ready(self.progs.release(self.state, self._mask([0])))
         self._warm = True
+        self._warm_variants = set(variants)
         self.compile_seconds += time.perf_counter() - t0
         return self.compile_seconds
 
-    def _time_kinds(self, reps: int = 2) -> Optional[list]:
+    @property
+    def greedy_steps(self) -> bool:
+        """Whether dispatches whose running rows are all greedy take the step programs
+        without the sampled paths (EngineConfig.greedy_steps; None: on a GPU)."""
+        g = self.config.greedy_steps
+        return jax.default_backend() == "gpu" if g is None else g
+
+    def _sampled(self, reqs) -> bool:
+        """Whether steps over these requests need the sampled step programs."""
+        return not self.greedy_steps or any(r.sampling.temperature > 0 for r in reqs)
+
+    def _step_variants(self) -> tuple:
+        """The step-program variants (sampled: True / False) the queued requests need; with
+        none queued, the greedy one where it exists (temperature 0 is the default)."""
+        if not self.greedy_steps:
+            return (True,)
+        return tuple(sorted({self._sampled([r]) for r in self.queue})) or (False,)
+
+    def _time_kinds(self, reps: int = 2, sampled: bool = True) -> Optional[list]:
         """Seconds of one step of each kind on the warmup's dummy slot (least of `reps`);
         None if the dummy ran out of budget (a tiny max_model_len) and a step did nothing."""
         best = [float("inf")] * len(self.static.kinds)
@@ -265,8 +291,8 @@ class Engine:
             for i, kind in enumerate(self.static.kinds):
                 before = int(self.state.num_generated[0])  # also waits for the state
                 t0 = time.perf_counter()
-                self.state = jax.block_until_ready(
-                    self.progs.steps(kind)(self.model.params, self.state, jnp.int32(1)))
+                self.state = jax.block_until_ready(self.progs.steps(kind, sampled)(
+                    self.model.params, self.state, jnp.int32(1)))
                 best[i] = min(best[i], time.perf_counter() - t0)
                 if int(self.state.num_generated[0]) == before:
                     return None
@@ -282,7 +308,8 @@ class Engine:
         """Compiled-program cache sizes (for checking that nothing recompiles)."""
         out = {n: getattr(self.progs, n)._cache_size()
                for n in ("admit", "release", "prefill_finish", "grow")}  # finish: per row count
-        out["run_steps"] = sum(self.progs.steps(k)._cache_size() for k in self.static.kinds)
+        out["run_steps"] = sum(self.progs.steps(k, v)._cache_size() for k in self.static.kinds
+                               for v in self._warm_variants or (True,))
         apart = self.static.history_apart
         for n in ("prefill_target", "prefill_mtp") if apart else ("prefill_target",):
             fns = [getattr(self.progs, n)(c) for c in self.buckets()]
@@ -622,7 +649,9 @@ class Engine:
                 if admitted and timed:
                     jax.block_until_ready(self.state)
                 t0 = time.perf_counter()
-                self.state = self.progs.steps(kind)(self.model.params, self.state, jnp.int32(n))
+                sampled = self._sampled(x.req for x in self.slots if x is not None)
+                self.state = self.progs.steps(kind, sampled)(self.model.params, self.state,
+                                                             jnp.int32(n))
                 done = self._collect()
                 seconds = time.perf_counter() - t0
                 if self.control:

@@ -178,10 +178,14 @@ def _filter_bisect(logits, top_k, top_p, need):
     return jnp.where(need[:, None] & ~keep, -jnp.inf, logits)
 
 
-def sample(logits, temperature, top_k, top_p, keys):
-    """Tokens [...] and their log-probs [..., v] for logits [b, ..., v], keys [b, ...]."""
-    logp = process_logits(logits, temperature, top_k, top_p)
+def sample(logits, temperature, top_k, top_p, keys, *, sampled=True):
+    """Tokens [...] and their log-probs [..., v] for logits [b, ..., v], keys [b, ...].
+    `sampled` False: every row is greedy (the caller knows), so the argmax alone and no
+    log-probs (None): no conditional, no [..., v] log-softmax."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if not sampled:
+        return greedy, None
+    logp = process_logits(logits, temperature, top_k, top_p)
     hot = temperature.reshape((-1,) + (1,) * (logits.ndim - 2)) > 0
     drawn = jax.lax.cond(jnp.any(temperature > 0), lambda: gumbel_argmax(logp, keys),
                          lambda: greedy)
@@ -199,14 +203,15 @@ def think_phase(tokens, start, begin_id, end_id):
 
 
 def accept(target_logits, drafts, draft_logp, positions, seeds, temperature, top_k, top_p,
-           *, relaxed=None, coupled=False):
+           *, relaxed=None, coupled=False, sampled=True):
     """Verify K drafts against K+1 target rows.
 
     target_logits [b, K+1, v] (row j predicts the token at positions[:, j]),
     drafts [b, K], draft_logp [b, K, v] (processed draft log-probs, used by sampled rows),
     positions [b, K+1], seeds [b, 2]. `relaxed`: None or (enabled [b], think [b],
     topk, delta, begin_id, end_id) for greedy rows. `coupled`: sampled rows verify by
-    coupled sampling (draft_logp unused; a draft of -1 never matches).
+    coupled sampling (draft_logp unused; a draft of -1 never matches). `sampled` False:
+    every row is greedy (the caller knows), so no sampled branch (draft_logp unused).
     Returns (n [b] accepted drafts, tokens [b, K+1] = d_1..d_n, bonus, then padding,
     think state after the committed tokens or None).
     """
@@ -226,7 +231,7 @@ def accept(target_logits, drafts, draft_logp, positions, seeds, temperature, top
         phase, _ = think_phase(drafts, think, begin_id, end_id)
         match = match | (enabled[:, None] & phase & in_top & close)
 
-    def sampled():
+    def sampled_rows():
         logp = process_logits(target_logits, temperature, top_k, top_p)  # [b, K+1, v]
         if coupled:
             own = gumbel_argmax(logp, row_keys(seeds, positions, SALT_TARGET))  # [b, K+1]
@@ -254,9 +259,13 @@ def accept(target_logits, drafts, draft_logp, positions, seeds, temperature, top
     n_greedy = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=-1), axis=-1) if k else \
         jnp.zeros((b,), jnp.int32)
     bonus_greedy = jnp.take_along_axis(greedy_tok, n_greedy[:, None], axis=1)[:, 0]
-    n_s, tok_s = jax.lax.cond(jnp.any(hot), sampled, lambda: (n_greedy, bonus_greedy))
-    n = jnp.where(hot, n_s, n_greedy)
-    bonus = jnp.where(hot, tok_s, bonus_greedy)
+    if sampled:
+        n_s, tok_s = jax.lax.cond(jnp.any(hot), sampled_rows,
+                                  lambda: (n_greedy, bonus_greedy))
+        n = jnp.where(hot, n_s, n_greedy)
+        bonus = jnp.where(hot, tok_s, bonus_greedy)
+    else:
+        n, bonus = n_greedy, bonus_greedy
     idx = jnp.arange(k1)[None]
     padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
     tokens = jnp.where(idx < n[:, None], padded, jnp.where(idx == n[:, None], bonus[:, None], 0))

@@ -104,6 +104,9 @@ class Static:
     layout: KVLayout
     mesh: Optional[Mesh] = None
     weights_quantized: bool = False  # int8 / fp8 matmul weights (quant.mode_of)
+    # the decode steps carry the sampled rows' paths; False: a step program for batches
+    # whose rows are all greedy (`Programs.steps(kind, sampled=False)`)
+    sampled: bool = True
 
     @property
     def k(self) -> int:
@@ -223,7 +226,7 @@ def decode_step(model, s: Static, st: DecodeState, kr: Optional[int] = None) -> 
                        s.spec.think_begin_id, s.spec.think_end_id)
         n, new_toks, think = accept(logits, drafts_in, st.draft_logp[:, :k], pos + 1, sp.seed,
                                     sp.temperature, sp.top_k, sp.top_p, relaxed=relaxed,
-                                    coupled=s.coupled)
+                                    coupled=s.coupled, sampled=s.sampled)
     with jax.named_scope("emit"):
         m = n + 1
         used = idx[None] <= n[:, None]
@@ -269,9 +272,9 @@ def decode_step(model, s: Static, st: DecodeState, kr: Optional[int] = None) -> 
             w = k + 1
             with jax.named_scope("draft"):
                 d, logp = draft(model, s.spec.method, k, kv, win_t[:, -w:], win_h[:, -w:],
-                                win_pos[:, -w:], sp, coupled=s.coupled)
+                                win_pos[:, -w:], sp, coupled=s.coupled, sampled=s.sampled)
             drafts = drafts.at[:, :k].set(d)
-            if not s.coupled:
+            if logp is not None and not s.coupled:  # greedy rows never read theirs
                 upd["draft_logp"] = logp
         upd["drafts"] = drafts
     fields = {f: getattr(st, f) for f in upd}
@@ -596,13 +599,16 @@ class Programs:
                             f"init_state_{jnp.dtype(dtype).name}")
 
     @functools.cache
-    def steps(self, kind: int):
-        """The multi-step program of one step kind (drafts verified per step)."""
+    def steps(self, kind: int, sampled: bool = True):
+        """The multi-step program of one step kind (drafts verified per step); `sampled`
+        False: the variant for batches whose rows are all greedy (`Static.sampled`)."""
+        static = self.static if sampled else dataclasses.replace(self.static, sampled=False)
+
         def f(params, st, num_steps):
-            return run_steps(self._merge(params), self.static, st, num_steps, kind)
+            return run_steps(self._merge(params), static, st, num_steps, kind)
         # the options follow from the static config and the platform, which key the store
-        return self._jit(f, 1, name=f"steps{kind}",
-                         compiler_options=step_compiler_options(self.static, kind))
+        return self._jit(f, 1, name=f"steps{kind}" + ("" if sampled else "_greedy"),
+                         compiler_options=step_compiler_options(static, kind))
 
     @property
     def run_steps(self):

@@ -970,8 +970,8 @@ class _InterruptSecondDispatch:
     def __getattr__(self, name):
         return getattr(self._progs, name)
 
-    def steps(self, kind):
-        program = self._progs.steps(kind)
+    def steps(self, kind, sampled=True):
+        program = self._progs.steps(kind, sampled)
 
         def dispatch(*args):
             self._calls += 1

@@ -207,6 +207,34 @@ def test_no_recompile_after_warmup(models, prompts):
     assert eng.cache_sizes() == before
 
 
+def test_greedy_step_programs_keep_tokens_steps_and_acceptance(models, prompts, references):
+    """EngineConfig.greedy_steps (the default on a GPU): dispatches whose rows are all
+    greedy run step programs without the sampled rows' paths, the others the full ones.
+    A greedy job, then one that mixes in a seeded sampled request: the same tokens, steps
+    and acceptance as an engine that always runs the full programs, and each variant
+    compiles at the warmup of the first job that queues a request needing it."""
+    model = models["deepseek_v3"]
+    full = engine_for(model, "deepseek_v3", "chain", 3)
+    eng = engine_for(model, "deepseek_v3", "chain", 3, greedy_steps=True)
+    assert not full.greedy_steps and eng.greedy_steps  # CPU: the full programs by default
+    greedy = [Request(i, p, SamplingParams(max_tokens=b)) for i, (p, b) in
+              enumerate(zip(prompts, BUDGETS))]
+    hot = Request("hot", prompts[2], SamplingParams(temperature=0.8, top_k=5, seed=7,
+                                                    max_tokens=20))
+    for job, variants in ((greedy, {False}), (greedy[:2] + [hot] + greedy[4:], {False, True})):
+        got, want = eng.generate(job), full.generate(job)
+        assert eng._warm_variants == variants
+        for g, w in zip(got, want):
+            assert (g.token_ids, g.finish_reason, g.num_steps, g.accepted_per_depth) == (
+                w.token_ids, w.finish_reason, w.num_steps, w.accepted_per_depth)
+        for req, g in zip(job, got):
+            if req is not hot:
+                assert g.token_ids == references["deepseek_v3"][req.id][0]
+    before = eng.cache_sizes()
+    eng.generate([hot] + greedy[:3])
+    assert eng.cache_sizes() == before
+
+
 def test_stop_token_and_budget(models, prompts, references):
     model = models["mimo"]
     want, _ = references["mimo"][1]
