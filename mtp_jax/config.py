@@ -651,6 +651,9 @@ class EngineConfig:
     greedy_steps: Optional[bool] = None
 
     def __post_init__(self):
+        if not (self.greedy_steps is None or isinstance(self.greedy_steps, bool)):
+            raise ConfigError(f"greedy_steps={self.greedy_steps!r} is not supported (None for "
+                              "a GPU's default, True or False)")
         if self.step_gemms not in (None, "triton", "cublas"):
             raise ConfigError(f"step_gemms={self.step_gemms!r} is not supported (None to "
                               "choose by rows, 'triton' or 'cublas')")

@@ -343,6 +343,8 @@ def test_engine_config_validation():
         EngineConfig(max_batch=0)
     with pytest.raises(ConfigError, match="step_gemms='cutlass'"):
         EngineConfig(step_gemms="cutlass")
+    with pytest.raises(ConfigError, match="greedy_steps='yes'"):
+        EngineConfig(greedy_steps="yes")
 
 
 def test_step_gemms_by_rows_per_device():
