@@ -253,7 +253,9 @@ def draft_loop(model, layout, b, dtype, mesh=None, spread=False, k=K, options=No
             pos = a[:, None] - k + jnp.arange(k + 1)
             toks = _tokens(tok, b, k + 1, cfg.vocab_size, spread)
             hid = jnp.zeros((b, k + 1, cfg.hidden_size), dtype) + tok[:, None, None].astype(dtype)
-            d, _ = draft(m, "chain", k, kv, toks, hid, pos, sp)
+            # the engine's draft for greedy rows (on a GPU without the sampled paths)
+            d, _ = draft(m, "chain", k, kv, toks, hid, pos, sp,
+                         sampled=jax.default_backend() != "gpu")
             return tuple(kv.caches), d[:, -1]
 
         with use_mesh(mesh):
