@@ -70,8 +70,8 @@ from mtp_jax.drafting import draft  # noqa: E402
 from mtp_jax.kv_cache import PageAllocator, PagedKV, make_layout  # noqa: E402
 from mtp_jax.quant import calibrate_kv_scales, mode_of, reads_head_copy  # noqa: E402
 from mtp_jax.sharding import make_mesh, shard_params, state_shardings, use_mesh  # noqa: E402
-from mtp_jax.step import (Static, decode_step, init_state, programs,  # noqa: E402
-                          step_compiler_options)
+from mtp_jax.step import (Static, decode_step, greedy_steps, init_state,  # noqa: E402
+                          programs, step_compiler_options)
 
 MIMO_7B = dict(layout="mimo", vocab_size=151680, hidden_size=4096, intermediate_size=11008,
                num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, num_mtp_modules=3,
@@ -237,7 +237,8 @@ def verify_loop(model, layout, b, q, mesh=None, spread=False, options=None):
     return f
 
 
-def draft_loop(model, layout, b, dtype, mesh=None, spread=False, k=K, options=None):
+def draft_loop(model, layout, b, dtype, mesh=None, spread=False, k=K, options=None,
+               sampled=True):
     """Jitted `f(params, caches, st, n)`: n `chain` drafts of k tokens over a k+1 window."""
     cfg = model.config
 
@@ -253,9 +254,7 @@ def draft_loop(model, layout, b, dtype, mesh=None, spread=False, k=K, options=No
             pos = a[:, None] - k + jnp.arange(k + 1)
             toks = _tokens(tok, b, k + 1, cfg.vocab_size, spread)
             hid = jnp.zeros((b, k + 1, cfg.hidden_size), dtype) + tok[:, None, None].astype(dtype)
-            # the engine's draft for greedy rows (on a GPU without the sampled paths)
-            d, _ = draft(m, "chain", k, kv, toks, hid, pos, sp,
-                         sampled=jax.default_backend() != "gpu")
+            d, _ = draft(m, "chain", k, kv, toks, hid, pos, sp, sampled=sampled)
             return tuple(kv.caches), d[:, -1]
 
         with use_mesh(mesh):
@@ -297,7 +296,9 @@ def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=
     # the loops time parts of the K step: compiled with its options
     options = step_compiler_options(progs["chain"].static, K)
     v4 = verify_loop(model, layout, b, K + 1, mesh, options=options)
-    draft_k = draft_loop(model, layout, b, dtype, mesh, options=options)
+    # the engine's programs for greedy rows (without the sampled paths where it has them)
+    sampled = not greedy_steps(eng)
+    draft_k = draft_loop(model, layout, b, dtype, mesh, options=options, sampled=sampled)
     n = jnp.int32(steps)
     for ctx in ctxs:
         row = dict(batch=b, ctx=ctx, page_size=page_size,
@@ -306,7 +307,7 @@ def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=
         # plain and speculative steps through the engine's while loop, the program the
         # engine runs for greedy rows (on a GPU without the sampled paths); one state alive
         for mth, pr in progs.items():
-            prog = pr.steps(pr.static.k, sampled=jax.default_backend() != "gpu")
+            prog = pr.steps(pr.static.k, sampled)
             holder = {"st": jax.block_until_ready(prog(p, fresh(mth, ctx), jnp.int32(1)))}
 
             def run(prog=prog):
@@ -323,8 +324,8 @@ def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=
                     f"sampled paths {row[f'{mth}_sampled_step_ms']:.3f} ms")
             if fixed_trip:  # the same steps without the while loop's predicate, from a
                 # fresh state (the one above may be near its slots' limit)
-                fixed = fixed_trip_loop(model, dataclasses.replace(
-                    pr.static, sampled=jax.default_backend() != "gpu"), steps)
+                fixed = fixed_trip_loop(model, dataclasses.replace(pr.static, sampled=sampled),
+                                        steps)
                 holder["st"] = jax.block_until_ready(fixed(p, fresh(mth, ctx)))
 
                 def run_fixed():
@@ -368,7 +369,7 @@ def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=
         # idle: engine pattern (dispatches + host collect) vs the same steps in one dispatch
         one_s = row["chain_step_ms"] * steps / 1e3
         st = fresh("chain", ctx)
-        chain = progs["chain"].steps(K, sampled=jax.default_backend() != "gpu")
+        chain = progs["chain"].steps(K, sampled)
         st = jax.block_until_ready(chain(p, st, jnp.int32(1)))
         gen0 = int(np.sum(jax.device_get(st.num_generated)))
         t0e = time.perf_counter()

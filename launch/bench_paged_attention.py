@@ -210,6 +210,28 @@ def scaled(fn):
   return lambda q, k, v, t, l, ks, vs: fn(q, k, v, t, l, k_scale=ks, v_scale=vs)
 
 
+def fp8_inputs(args):
+  """args (q, k, v, tables, kv_lens) with the pages in fp8 as the cache writes them:
+  (q, k8, v8, tables, kv_lens, k_scale, v_scale), the arguments of `scaled` functions."""
+  q, k, v, tables, kv_lens = args
+  k8, v8, k_scale, v_scale = quantize_kv(k, v)
+  return q, k8, v8, tables, kv_lens, k_scale, v_scale
+
+
+def time_row(results, name, fn, args, n, reps, nbytes, **fields):
+  """Time fn on args (n calls a loop, best of reps), log it under `name` and append a
+  row with `fields`; the best seconds, or None where it fails (logged)."""
+  try:
+    _, best, med = time_per_call(fn, args, n, reps)
+  except Exception as e:
+    log(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}")
+    return None
+  tbs = nbytes / best / 1e12
+  log(f"{name}: {best * 1e6:.1f} us, {tbs:.2f} TB/s")
+  results.append(dict(fields, best_s=best, median_s=med, tbs=tbs))
+  return best
+
+
 def sweep(results, reps, key, fp8=False):
   """Time a few block configs on the target shapes (prints; the defaults come from here).
   fp8: the pages in float8_e4m3fn (bytes 1 a value), a grid with larger blocks too."""
@@ -217,21 +239,11 @@ def sweep(results, reps, key, fp8=False):
     args = make_inputs(batch, ctx, q_len, key)
     fn = ours(cfg)
     if fp8:
-      q, k, v, tables, kv_lens = args
-      k8, v8, k_scale, v_scale = quantize_kv(k, v)
-      args, fn = (q, k8, v8, tables, kv_lens, k_scale, v_scale), scaled(fn)
-    n = iters(batch, ctx)
-    try:
-      _, best, med = time_per_call(fn, args, n, reps)
-      tbs = kv_bytes(batch, ctx, itemsize=1 if fp8 else 2) / best / 1e12
-      log(f"sweep B={batch} ctx={ctx} Q={q_len} {cfg}: {best * 1e6:.1f} us, {tbs:.2f} TB/s")
-      results.append(dict(batch=batch, ctx=ctx, q_len=q_len, cfg=str(cfg), best_s=best,
-                          median_s=med, tbs=tbs, fp8=fp8))
-      return best
-    except Exception as e:
-      log(f"sweep B={batch} ctx={ctx} Q={q_len} {cfg}: FAILED {type(e).__name__}: "
-          f"{str(e)[:300]}")
-      return float("inf")
+      args, fn = fp8_inputs(args), scaled(fn)
+    best = time_row(results, f"sweep B={batch} ctx={ctx} Q={q_len} {cfg}", fn, args,
+                    iters(batch, ctx), reps, kv_bytes(batch, ctx, itemsize=1 if fp8 else 2),
+                    batch=batch, ctx=ctx, q_len=q_len, cfg=str(cfg), fp8=fp8)
+    return float("inf") if best is None else best
 
   timed = {}
   grid = [(8, 4, 1), (8, 4, 2), (8, 4, 3), (8, 4, 4), (8, 8, 2), (8, 8, 3), (8, 8, 4),
@@ -300,29 +312,19 @@ def sweep_pages(results, reps, key, batch, ctx, pages, interpret=False):
   page's contiguous bytes (page x D x itemsize per kv head) bound the kernel's rate."""
   for page, q_len in itertools.product(pages, (1, 4)):
     args = make_inputs(batch, ctx, q_len, key, page=page)
-    q, k, v, tables, kv_lens = args
-    k8, v8, k_scale, v_scale = quantize_kv(k, v)
+    both = {False: args, True: fp8_inputs(args)}
     base = default_block_config(batch, q_len, HQ, KVH, page, ctx // page, "gpu")
     cfgs = [("default", base)]
     if 256 // page >= 1:
       cfgs.append(("256 positions", dataclasses.replace(base, pages_per_block=256 // page)))
     for (tag, cfg), fp8 in itertools.product(cfgs, (False, True)):
       fn = ours(cfg, interpret=interpret)
-      run_args = args
-      if fp8:
-        fn, run_args = scaled(fn), (q, k8, v8, tables, kv_lens, k_scale, v_scale)
-      name = f"pages B={batch} ctx={ctx} Q={q_len} page={page} {'fp8' if fp8 else 'bf16'} {tag}"
-      try:
-        _, best, med = time_per_call(fn, run_args, 1 if interpret else iters(batch, ctx),
-                                     reps)
-      except Exception as e:
-        log(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}")
-        continue
-      tbs = kv_bytes(batch, ctx, itemsize=1 if fp8 else 2) / best / 1e12
-      log(f"{name} {cfg}: {best * 1e6:.1f} us, {tbs:.2f} TB/s")
-      results.append(dict(batch=batch, ctx=ctx, q_len=q_len, page=page, fp8=fp8, tag=tag,
-                          cfg=str(cfg), best_s=best, median_s=med, tbs=tbs))
-    del args, k8, v8
+      time_row(results, f"pages B={batch} ctx={ctx} Q={q_len} page={page} "
+               f"{'fp8' if fp8 else 'bf16'} {tag} {cfg}", scaled(fn) if fp8 else fn,
+               both[fp8], 1 if interpret else iters(batch, ctx), reps,
+               kv_bytes(batch, ctx, itemsize=1 if fp8 else 2), batch=batch, ctx=ctx,
+               q_len=q_len, page=page, fp8=fp8, tag=tag, cfg=str(cfg))
+    del args, both
 
 
 def sweep_configs(results, reps, key, shapes, configs, fp8, interpret=False):
@@ -332,9 +334,7 @@ def sweep_configs(results, reps, key, shapes, configs, fp8, interpret=False):
   for (batch, ctx), q_len in itertools.product(shapes, (1, 4)):
     args = make_inputs(batch, ctx, q_len, key)
     if fp8:
-      q, k, v, tables, kv_lens = args
-      k8, v8, k_scale, v_scale = quantize_kv(k, v)
-      args = (q, k8, v8, tables, kv_lens, k_scale, v_scale)
+      args = fp8_inputs(args)
     base = default_block_config(batch, q_len, HQ, KVH, PAGE, ctx // PAGE, "gpu",
                                 kv_dtype=FP8_DTYPE if fp8 else None)
     cfgs = [("default", base)] + [
@@ -342,17 +342,12 @@ def sweep_configs(results, reps, key, shapes, configs, fp8, interpret=False):
             base, pages_per_block=ppb, num_warps=warps, num_stages=stages))
         for ppb, warps, stages in configs]
     for tag, cfg in cfgs:
-      fn = scaled(ours(cfg, interpret=interpret)) if fp8 else ours(cfg, interpret=interpret)
-      name = f"configs B={batch} ctx={ctx} Q={q_len} {'fp8' if fp8 else 'bf16'} {tag}"
-      try:
-        _, best, med = time_per_call(fn, args, 1 if interpret else iters(batch, ctx), reps)
-      except Exception as e:
-        log(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}")
-        continue
-      tbs = kv_bytes(batch, ctx, itemsize=1 if fp8 else 2) / best / 1e12
-      log(f"{name} {cfg}: {best * 1e6:.1f} us, {tbs:.2f} TB/s")
-      results.append(dict(batch=batch, ctx=ctx, q_len=q_len, fp8=fp8, tag=tag, cfg=str(cfg),
-                          best_s=best, median_s=med, tbs=tbs))
+      fn = ours(cfg, interpret=interpret)
+      time_row(results, f"configs B={batch} ctx={ctx} Q={q_len} {'fp8' if fp8 else 'bf16'} "
+               f"{tag} {cfg}", scaled(fn) if fp8 else fn, args,
+               1 if interpret else iters(batch, ctx), reps,
+               kv_bytes(batch, ctx, itemsize=1 if fp8 else 2), batch=batch, ctx=ctx,
+               q_len=q_len, fp8=fp8, tag=tag, cfg=str(cfg))
     del args
 
 
@@ -392,13 +387,11 @@ def fp8_entry(args, n, reps, batch, ctx, interpret):
   """Time ours and the XLA reference over fp8 copies of args' pages: a results dict with
   the fp8 byte count, errors (vs the reference on the fp8 pages, vs our bf16 result) and
   one timing per method (None where it fails, logged)."""
-  q, k, v, tables, kv_lens = args
-  k8, v8, k_scale, v_scale = quantize_kv(k, v)
-  fp8_args = (q, k8, v8, tables, kv_lens, k_scale, v_scale)
+  fp8_args = fp8_inputs(args)
   nbytes = kv_bytes(batch, ctx, itemsize=1)
   ours_fp8, reference_fp8 = scaled(ours(interpret=interpret)), scaled(reference)
   entry = dict(bytes=nbytes)
-  tag = f"fp8 B={batch} ctx={ctx} Q={q.shape[1]}"
+  tag = f"fp8 B={batch} ctx={ctx} Q={args[0].shape[1]}"
   try:
     got = ours_fp8(*fp8_args)
     entry["max_abs_err"] = max_err(got, reference_fp8(*fp8_args))

@@ -40,8 +40,8 @@ from .kv_cache import PageAllocator, check_kernels, make_layout
 from .quant import calibrate_kv_scales, mode_of
 from .sampling import split_seed
 from .sharding import check_mesh, shard_params, state_shardings
-from .step import (FINISH_ERROR, FINISH_LENGTH, FINISH_NONE, FINISH_STOP, Static, init_state,
-                   programs)
+from .step import (FINISH_ERROR, FINISH_LENGTH, FINISH_NONE, FINISH_STOP, Static,
+                   greedy_steps, init_state, programs)
 
 _REASONS = {FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_ERROR: "error"}
 # Prompt tokens below which a prefill forward costs about the same whatever it carries:
@@ -268,9 +268,8 @@ class Engine:
     @property
     def greedy_steps(self) -> bool:
         """Whether dispatches whose running rows are all greedy take the step programs
-        without the sampled paths (EngineConfig.greedy_steps; None: on a GPU)."""
-        g = self.config.greedy_steps
-        return jax.default_backend() == "gpu" if g is None else g
+        without the sampled paths (`step.greedy_steps`)."""
+        return greedy_steps(self.config)
 
     def _sampled(self, reqs) -> bool:
         """Whether steps over these requests need the sampled step programs."""

@@ -532,6 +532,13 @@ def step_gemms(s: Static, kind: int) -> str:
     return "cublas" if slots * (kind + 1) >= CUBLAS_FROM_ROWS else "triton"
 
 
+def greedy_steps(eng: EngineConfig) -> bool:
+    """Whether all-greedy dispatches take the step programs without the sampled paths
+    (`Static.sampled` False): EngineConfig.greedy_steps, else on a GPU, where the sampled
+    paths' conditionals each read a predicate back to the host."""
+    return jax.default_backend() == "gpu" if eng.greedy_steps is None else eng.greedy_steps
+
+
 def step_compiler_options(s: Static, kind: int) -> dict:
     """XLA options of the decode step program of `kind` (its GEMM backend on a GPU)."""
     if jax.default_backend() == "gpu" and step_gemms(s, kind) == "cublas":

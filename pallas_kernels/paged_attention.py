@@ -146,9 +146,12 @@ def default_block_config(batch, q_len, num_q_heads, num_kv_heads, page_size, max
   # 8 x 256-token chunks, Hq 32 / KVH 8, D 128, bf16, the chunk ending at 1k / 4k
   # positions: 149 / 229 TFLOP/s against 96 / 122 with the decode tiling below
   # (launch/bench_prefill_attention.py, docs/BENCHMARKS.md).
+  def pages_for(positions):  # kv positions a block, within the table, block_k >= 16
+    pages = min(max(1, positions // page_size), next_pow2(max_pages))
+    return max(pages, next_pow2(-(-16 // page_size)))
+
   prefill = q_len >= 32 and rows >= 128
-  pages_per_block = min(max(1, (64 if prefill else 128) // page_size), next_pow2(max_pages))
-  pages_per_block = max(pages_per_block, next_pow2(-(-16 // page_size)))  # block_k >= 16
+  pages_per_block = pages_for(64 if prefill else 128)
   if prefill:
     return BlockConfig(pages_per_block=pages_per_block, num_splits=1, rows_per_block=128,
                        num_warps=4, num_stages=2)
@@ -158,9 +161,8 @@ def default_block_config(batch, q_len, num_q_heads, num_kv_heads, page_size, max
     num_cores = getattr(jax.devices()[0], "core_count", None) or 132
   if (kv_dtype is not None and jnp.dtype(kv_dtype).itemsize == 1 and rows_per_block == 16
       and 2 * programs >= 5 * num_cores):
-    pages = min(max(1, 64 // page_size), next_pow2(max_pages))
-    return BlockConfig(pages_per_block=max(pages, next_pow2(-(-16 // page_size))),
-                       num_splits=1, rows_per_block=16, num_warps=2, num_stages=3)
+    return BlockConfig(pages_per_block=pages_for(64), num_splits=1, rows_per_block=16,
+                       num_warps=2, num_stages=3)
   num_splits = 1
   if programs < num_cores:  # less than a wave: split for about two
     blocks = -(-max_pages // pages_per_block)
