@@ -220,12 +220,14 @@ class Engine:
         top = self.buckets()[-1]
         return min(top, max(self._bucket(n), PREFILL_MIN_TOKENS // rows if rows > 1 else 0))
 
-    def warmup(self) -> float:
+    def warmup(self, requests: Iterable[Request] = ()) -> float:
         """Compile every program (all prefill buckets and row counts) on idle slots;
         returns seconds. Again after `jax.clear_caches()` dropped the executables, and when
         the queued requests need a step-program variant not yet compiled (greedy or
-        sampled, `greedy_steps`)."""
-        variants = self._step_variants()
+        sampled, `greedy_steps`). `requests`: a job about to be streamed, whose variants
+        are compiled now as well as the queued requests' (a caller that times its compile
+        apart passes them, so that the job's run compiles nothing)."""
+        variants = self._step_variants(requests)
         if (self._warm and set(variants) <= self._warm_variants
                 and all(self.cache_sizes().values())):
             return 0.0
@@ -275,12 +277,14 @@ class Engine:
         """Whether steps over these requests need the sampled step programs."""
         return not self.greedy_steps or any(r.sampling.temperature > 0 for r in reqs)
 
-    def _step_variants(self) -> tuple:
-        """The step-program variants (sampled: True / False) the queued requests need; with
-        none queued, the greedy one where it exists (temperature 0 is the default)."""
+    def _step_variants(self, requests: Iterable[Request] = ()) -> tuple:
+        """The step-program variants (sampled: True / False) the queued requests and
+        `requests` need; with none, the greedy one where it exists (temperature 0 is the
+        default)."""
         if not self.greedy_steps:
             return (True,)
-        return tuple(sorted({self._sampled([r]) for r in self.queue})) or (False,)
+        reqs = list(self.queue) + list(requests)
+        return tuple(sorted({self._sampled([r]) for r in reqs})) or (False,)
 
     def _time_kinds(self, reps: int = 2, sampled: bool = True) -> Optional[list]:
         """Seconds of one step of each kind on the warmup's dummy slot (least of `reps`);

@@ -163,7 +163,7 @@ def run_methods(model, requests, ids, methods, ks, eng_cfg: EngineConfig, greedy
     def build(name, method, k):
         t0 = time.perf_counter()
         engine = Engine(model, SpecConfig(method, num_speculative_tokens=k), eng_cfg)
-        engine.warmup()
+        engine.warmup(requests)
         compile_s = time.perf_counter() - t0
         log(f"{name}: compiled in {compile_s:.1f} s")
         return engine, compile_s

@@ -398,7 +398,7 @@ def run(engine: Engine, requests: list, ids: list, emit, has_tokenizer: bool) ->
     """Stream the requests, emitting each record as it finishes; the summary lines."""
     from tqdm import tqdm
 
-    compile_s = engine.warmup() if requests else 0.0
+    compile_s = engine.warmup(requests) if requests else 0.0
     bar = tqdm(total=len(requests), file=sys.stderr, unit="req", disable=None)
     ok, gen, fwd, acc, tried = 0, 0, 0, [0] * engine.spec.k, [0] * engine.spec.k
     t0 = time.perf_counter()

@@ -221,6 +221,11 @@ def test_greedy_step_programs_keep_tokens_steps_and_acceptance(models, prompts, 
               enumerate(zip(prompts, BUDGETS))]
     hot = Request("hot", prompts[2], SamplingParams(temperature=0.8, top_k=5, seed=7,
                                                     max_tokens=20))
+    # what a warmup compiles: the variants of the queued requests and of the job it is
+    # handed (generate and evaluate time their compile apart), the greedy one for none
+    assert eng._step_variants() == eng._step_variants(greedy) == (False,)
+    assert eng._step_variants([hot]) == (True,) and full._step_variants() == (True,)
+    assert eng._step_variants(greedy + [hot]) == (False, True)
     for job, variants in ((greedy, {False}), (greedy[:2] + [hot] + greedy[4:], {False, True})):
         got, want = eng.generate(job), full.generate(job)
         assert eng._warm_variants == variants
@@ -233,6 +238,26 @@ def test_greedy_step_programs_keep_tokens_steps_and_acceptance(models, prompts, 
     before = eng.cache_sizes()
     eng.generate([hot] + greedy[:3])
     assert eng.cache_sizes() == before
+
+
+def test_generate_run_compiles_the_jobs_variants_before_it_runs(models, prompts):
+    """`generate.run` (and evaluate) time the compile apart: the warmup they call before
+    the job gets the job's requests, so a job that mixes greedy and sampled requests on
+    an engine with the greedy programs compiles both variants there and nothing while it
+    runs (the stream's own warmup finds every program)."""
+    from mtp_jax.generate import run
+
+    eng = engine_for(models["mimo"], "mimo", "chain", 2, greedy_steps=True, max_batch=2)
+    job = [Request(0, prompts[0], SamplingParams(max_tokens=6)),
+           Request(1, prompts[1], SamplingParams(max_tokens=6, temperature=0.8, seed=3))]
+    compiled = []
+    warmup = eng.warmup
+    eng.warmup = lambda *a: compiled.append(warmup(*a)) or compiled[-1]
+    records = []
+    run(eng, job, ["g", "s"], records.append, has_tokenizer=False)
+    assert [r["id"] for r in sorted(records, key=lambda r: r["id"])] == ["g", "s"]
+    assert eng._warm_variants == {False, True}
+    assert compiled[0] > 0 and compiled[1:] == [0.0], compiled
 
 
 def test_stop_token_and_budget(models, prompts, references):
