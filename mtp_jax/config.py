@@ -646,14 +646,15 @@ class EngineConfig:
     # split-K for a few rows) or "cublas". None: by rows per device (step.step_gemms)
     step_gemms: Optional[str] = None
     # Dispatches whose running rows are all greedy take step programs without the sampled
-    # rows' paths: their conditionals read a predicate back to the host on a GPU (several
-    # round trips a step), and the draft's log-probs are not written. None: on a GPU.
+    # rows' paths: smaller to compile, no draft log-probs written, and on a GPU none of
+    # their conditionals, which read a predicate back to the host (several round trips a
+    # step). None: on (step.greedy_steps); False: the full programs only.
     greedy_steps: Optional[bool] = None
 
     def __post_init__(self):
         if not (self.greedy_steps is None or isinstance(self.greedy_steps, bool)):
             raise ConfigError(f"greedy_steps={self.greedy_steps!r} is not supported (None for "
-                              "a GPU's default, True or False)")
+                              "the default, on; True or False)")
         if self.step_gemms not in (None, "triton", "cublas"):
             raise ConfigError(f"step_gemms={self.step_gemms!r} is not supported (None to "
                               "choose by rows, 'triton' or 'cublas')")

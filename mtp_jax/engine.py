@@ -41,7 +41,7 @@ from .quant import calibrate_kv_scales, mode_of
 from .sampling import split_seed
 from .sharding import check_mesh, shard_params, state_shardings
 from .step import (FINISH_ERROR, FINISH_LENGTH, FINISH_NONE, FINISH_STOP, Static,
-                   greedy_steps, init_state, programs)
+                   greedy_dispatches, greedy_steps, init_state, programs)
 
 _REASONS = {FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_ERROR: "error"}
 # Prompt tokens below which a prefill forward costs about the same whatever it carries:
@@ -280,11 +280,14 @@ class Engine:
     def _step_variants(self, requests: Iterable[Request] = ()) -> tuple:
         """The step-program variants (sampled: True / False) the queued requests and
         `requests` need; with none, the greedy one where it exists (temperature 0 is the
-        default)."""
+        default). Greedy and sampled requests together need both on a GPU, the full
+        program alone elsewhere (`step.greedy_dispatches`)."""
         if not self.greedy_steps:
             return (True,)
-        reqs = list(self.queue) + list(requests)
-        return tuple(sorted({self._sampled([r]) for r in reqs})) or (False,)
+        need = {self._sampled([r]) for r in [*self.queue, *requests]} or {False}
+        if True in need and not greedy_dispatches():
+            need = {True}
+        return tuple(sorted(need))
 
     def _time_kinds(self, reps: int = 2, sampled: bool = True) -> Optional[list]:
         """Seconds of one step of each kind on the warmup's dummy slot (least of `reps`);
@@ -652,7 +655,8 @@ class Engine:
                 if admitted and timed:
                     jax.block_until_ready(self.state)
                 t0 = time.perf_counter()
-                sampled = self._sampled(x.req for x in self.slots if x is not None)
+                sampled = (self._sampled(x.req for x in self.slots if x is not None)
+                           or False not in self._warm_variants)
                 self.state = self.progs.steps(kind, sampled)(self.model.params, self.state,
                                                              jnp.int32(n))
                 done = self._collect()

@@ -1112,9 +1112,11 @@ def test_tiny_top_p_keeps_the_top_token(engine, alone):
 
 def test_nothing_recompiled(engines):
     """All of the above, hostile and broken inputs included, ran on the programs compiled
-    by warmup(): one executable per program, prefill bucket and prefill row count."""
+    by warmup(): one executable per program, prefill bucket and prefill row count, and a
+    step program per variant (greedy and sampled: both ran here)."""
     for method, eng in engines.items():
         sizes = eng.cache_sizes()
-        assert sizes["run_steps"] == 1 and sizes["admit"] == 1, (method, sizes)
+        assert eng._warm_variants == {False, True}, method
+        assert sizes["run_steps"] == 2 and sizes["admit"] == 1, (method, sizes)
         assert eng.prefill_programs() == [(1, 16), (2, 16), (4, 16)]
         assert sizes["prefill_target"] == 3 and sizes["prefill_finish"] == 3, (method, sizes)

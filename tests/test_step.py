@@ -200,23 +200,30 @@ def test_oracle_draft_never_agrees(prompts, method):
 
 def test_no_recompile_after_warmup(models, prompts):
     eng = engine_for(models["mimo"], "mimo", "chain", 3)
-    eng.warmup()
+    job = [Request(i, p, SamplingParams(max_tokens=5, temperature=0.7, top_k=3, seed=i))
+           for i, p in enumerate(prompts)]
+    eng.warmup(job)
     before = eng.cache_sizes()
-    eng.generate([Request(i, p, SamplingParams(max_tokens=5, temperature=0.7, top_k=3, seed=i))
-                  for i, p in enumerate(prompts)])
+    eng.generate(job)
     assert eng.cache_sizes() == before
 
 
-def test_greedy_step_programs_keep_tokens_steps_and_acceptance(models, prompts, references):
-    """EngineConfig.greedy_steps (the default on a GPU): dispatches whose rows are all
-    greedy run step programs without the sampled rows' paths, the others the full ones.
-    A greedy job, then one that mixes in a seeded sampled request: the same tokens, steps
-    and acceptance as an engine that always runs the full programs, and each variant
-    compiles at the warmup of the first job that queues a request needing it."""
+@pytest.mark.parametrize("per_dispatch", [True, False], ids=["gpu_rule", "cpu_rule"])
+def test_greedy_step_programs_keep_tokens_steps_and_acceptance(models, prompts, references,
+                                                              per_dispatch, monkeypatch):
+    """EngineConfig.greedy_steps (on by default): dispatches whose rows are all greedy run
+    step programs without the sampled rows' paths. A greedy job, then one that mixes in a
+    seeded sampled request: the same tokens, steps and acceptance as an engine that always
+    runs the full programs (greedy_steps=False), each variant compiled at the warmup of
+    the first job that needs it. A mixed job compiles both variants and picks one per
+    dispatch under a GPU's rule (`step.greedy_dispatches`), the full one alone elsewhere."""
+    import mtp_jax.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "greedy_dispatches", lambda: per_dispatch)
     model = models["deepseek_v3"]
-    full = engine_for(model, "deepseek_v3", "chain", 3)
-    eng = engine_for(model, "deepseek_v3", "chain", 3, greedy_steps=True)
-    assert not full.greedy_steps and eng.greedy_steps  # CPU: the full programs by default
+    full = engine_for(model, "deepseek_v3", "chain", 3, greedy_steps=False)
+    eng = engine_for(model, "deepseek_v3", "chain", 3, max_batch=4 if per_dispatch else None)
+    assert not full.greedy_steps and eng.greedy_steps  # on by default
     greedy = [Request(i, p, SamplingParams(max_tokens=b)) for i, (p, b) in
               enumerate(zip(prompts, BUDGETS))]
     hot = Request("hot", prompts[2], SamplingParams(temperature=0.8, top_k=5, seed=7,
@@ -225,10 +232,12 @@ def test_greedy_step_programs_keep_tokens_steps_and_acceptance(models, prompts, 
     # handed (generate and evaluate time their compile apart), the greedy one for none
     assert eng._step_variants() == eng._step_variants(greedy) == (False,)
     assert eng._step_variants([hot]) == (True,) and full._step_variants() == (True,)
-    assert eng._step_variants(greedy + [hot]) == (False, True)
-    for job, variants in ((greedy, {False}), (greedy[:2] + [hot] + greedy[4:], {False, True})):
+    assert eng._step_variants(greedy + [hot]) == ((False, True) if per_dispatch else (True,))
+    mixed = greedy[:2] + [hot] + greedy[4:]
+    for job in (greedy, mixed, greedy[3:]):
+        warm = set(eng._warm_variants)
         got, want = eng.generate(job), full.generate(job)
-        assert eng._warm_variants == variants
+        assert eng._warm_variants == warm | set(eng._step_variants(job))
         for g, w in zip(got, want):
             assert (g.token_ids, g.finish_reason, g.num_steps, g.accepted_per_depth) == (
                 w.token_ids, w.finish_reason, w.num_steps, w.accepted_per_depth)
@@ -242,12 +251,12 @@ def test_greedy_step_programs_keep_tokens_steps_and_acceptance(models, prompts, 
 
 def test_generate_run_compiles_the_jobs_variants_before_it_runs(models, prompts):
     """`generate.run` (and evaluate) time the compile apart: the warmup they call before
-    the job gets the job's requests, so a job that mixes greedy and sampled requests on
-    an engine with the greedy programs compiles both variants there and nothing while it
-    runs (the stream's own warmup finds every program)."""
+    the job gets the job's requests, so a job that mixes greedy and sampled requests
+    compiles the variant(s) it needs there (with nothing queued it would compile the
+    greedy one) and nothing while it runs (the stream's own warmup finds every program)."""
     from mtp_jax.generate import run
 
-    eng = engine_for(models["mimo"], "mimo", "chain", 2, greedy_steps=True, max_batch=2)
+    eng = engine_for(models["mimo"], "mimo", "chain", 2, max_batch=2)
     job = [Request(0, prompts[0], SamplingParams(max_tokens=6)),
            Request(1, prompts[1], SamplingParams(max_tokens=6, temperature=0.8, seed=3))]
     compiled = []
@@ -256,7 +265,7 @@ def test_generate_run_compiles_the_jobs_variants_before_it_runs(models, prompts)
     records = []
     run(eng, job, ["g", "s"], records.append, has_tokenizer=False)
     assert [r["id"] for r in sorted(records, key=lambda r: r["id"])] == ["g", "s"]
-    assert eng._warm_variants == {False, True}
+    assert eng._warm_variants == set(eng._step_variants(job))
     assert compiled[0] > 0 and compiled[1:] == [0.0], compiled
 
 
