@@ -41,7 +41,7 @@ from .quant import calibrate_kv_scales, mode_of
 from .sampling import split_seed
 from .sharding import check_mesh, shard_params, state_shardings
 from .step import (FINISH_ERROR, FINISH_LENGTH, FINISH_NONE, FINISH_STOP, Static,
-                   greedy_dispatches, greedy_steps, init_state, programs)
+                   greedy_dispatches, greedy_steps, init_state, prepare, programs)
 
 _REASONS = {FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_ERROR: "error"}
 # Prompt tokens below which a prefill forward costs about the same whatever it carries:
@@ -234,15 +234,22 @@ class Engine:
         variants = tuple(sorted(self._warm_variants | set(variants)))
         t0 = time.perf_counter()
         p, st = self.model.params, self.state
-        for r, c in self.prefill_programs():  # padding rows only: nothing is written
+        # The prefill programs are loaded or compiled without running where the executable
+        # store holds them (most buckets go unused by a job); otherwise they run once on
+        # padding rows, which write nothing.
+        for r, c in self.prefill_programs():
             slots = np.full((r,), self.config.max_batch, np.int32)
             zero = np.zeros((r,), np.int32)
             logits = jnp.zeros((r, self.model.config.vocab_size), jnp.float32)
-            st, logits = self.progs.prefill_target(c)(p, st, slots, zero, zero, logits, zero)
+            out = prepare(self.progs.prefill_target(c), p, st, slots, zero, zero, logits, zero)
+            if out is not None:
+                st, logits = out
             if self.static.history_apart:
-                st = self.progs.prefill_mtp(c)(p, st, slots, zero, zero)
+                out = prepare(self.progs.prefill_mtp(c), p, st, slots, zero, zero)
+                st = st if out is None else out
             if c == self.buckets()[-1]:
-                st = self.progs.prefill_finish(p, st, slots, logits, zero)
+                out = prepare(self.progs.prefill_finish, p, st, slots, logits, zero)
+                st = st if out is None else out
         self.state = st
         # admit a dummy request onto null pages with every KV write dropped (limit 0), run
         # one step of each kind and free the slot again, with the argument types the real

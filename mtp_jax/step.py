@@ -488,11 +488,15 @@ class Program:
         self.jitted, self.name, self.store, self.context = jitted, name, store, context
         self._by_args: dict = {}
 
+    @staticmethod
+    def _sig(args) -> tuple:
+        return tuple((type(x), getattr(x, "shape", None), getattr(x, "dtype", None),
+                      getattr(x, "weak_type", None))
+                     for a in args if not isinstance(a, (dict, nnx.State, DecodeState))
+                     for x in jax.tree_util.tree_leaves(a))
+
     def __call__(self, *args):
-        sig = tuple((type(x), getattr(x, "shape", None), getattr(x, "dtype", None),
-                     getattr(x, "weak_type", None))
-                    for a in args if not isinstance(a, (dict, nnx.State, DecodeState))
-                    for x in jax.tree_util.tree_leaves(a))
+        sig = self._sig(args)
         fn = self._by_args.get(sig)
         if fn is None:
             fn = self._by_args[sig] = self.store.get(self.jitted, self.name, self.context, args)
@@ -503,8 +507,26 @@ class Program:
             self._by_args[sig] = fn
             return fn(*args)
 
+    def prepare(self, *args) -> None:
+        """Load (or compile and save) the executable for these arguments without running
+        it."""
+        sig = self._sig(args)
+        if sig not in self._by_args:
+            self._by_args[sig] = self.store.get(self.jitted, self.name, self.context, args)
+
     def _cache_size(self) -> int:
         return self.jitted._cache_size() + len(self._by_args)
+
+
+def prepare(program, *args):
+    """Make `program` ready for these arguments: an executable-store program is loaded (or
+    compiled into the store) without running, which spares a warm start the first
+    execution (on CPU it costs several later ones); a plain jitted program runs once, its
+    compile happening on that call. The outputs, or None when nothing ran."""
+    if isinstance(program, Program):
+        program.prepare(*args)
+        return None
+    return program(*args)
 
 
 # Rows per matmul (slots per device x tokens per slot) from which a decode step's dense

@@ -140,9 +140,15 @@ def test_program_with_a_host_callback_runs_unsaved(tmp_path):
 def test_warm_engine_loads_every_program_and_decodes_the_same(tmp_path, monkeypatch):
     """Two engines over one store: the first compiles and saves its programs, the second
     (a new process would be the same: nothing is shared but the folder) loads them all,
-    traces nothing, and both give the reference's greedy tokens, speculation included."""
+    traces nothing, and both give the reference's greedy tokens, speculation included.
+    Warmup runs the step programs but only loads (or compiles) the prefill ones: a job
+    runs few of the prefill buckets, and a first execution costs several later ones."""
     monkeypatch.setattr(compile_cache, "executable_store",
                         lambda: ExecutableStore(str(tmp_path)))
+    ran = []
+    call = Program.__call__
+    monkeypatch.setattr(Program, "__call__", lambda self, *a: ran.append(self.name) or
+                        call(self, *a))
     model = markov_model("mimo", target_noise=0.5, mtp_noise=0.2, vocab=64, seed=4)
     cfg = EngineConfig(max_batch=2, max_model_len=64, page_size=8, prefill_chunk=16,
                        steps_per_dispatch=3)
@@ -154,14 +160,21 @@ def test_warm_engine_loads_every_program_and_decodes_the_same(tmp_path, monkeypa
     for _ in range(2):
         s = CacheStats()
         eng = Engine(model, SpecConfig(method="chain", num_speculative_tokens=2), cfg)
+        ran.clear()
         eng.warmup()
+        assert not [n for n in ran if n.startswith("prefill")], ran
+        assert {n for n in ran if n.startswith("steps")} == {f"steps{k}_greedy"
+                                                            for k in eng.static.kinds}
+        assert all(eng.progs.prefill_target(c)._by_args for c in eng.buckets())
         res = eng.generate([Request(i, p, SamplingParams(max_tokens=12))
                             for i, p in enumerate(prompts)])
         got.append([r.token_ids for r in res])
         stats.append((s.loaded, s.saved))
         traced = sum(getattr(eng.progs, n).jitted._cache_size()
                      for n in ("admit", "release", "grow", "prefill_finish"))
-        traced += sum(eng.progs.steps(k).jitted._cache_size() for k in eng.static.kinds)
+        traced += sum(eng.progs.steps(k, v).jitted._cache_size() for k in eng.static.kinds
+                      for v in eng._warm_variants)
+        traced += sum(eng.progs.prefill_target(c).jitted._cache_size() for c in eng.buckets())
     assert got[0] == want and got[1] == want
     (loaded0, saved0), (loaded1, saved1) = stats
     assert loaded0 == 0 and saved0 >= 5, stats
