@@ -249,7 +249,7 @@ def test_greedy_step_programs_keep_tokens_steps_and_acceptance(models, prompts, 
     assert eng.cache_sizes() == before
 
 
-def test_generate_run_compiles_the_jobs_variants_before_it_runs(models, prompts):
+def test_generate_run_compiles_the_jobs_variants_before_it_runs(models, prompts, monkeypatch):
     """`generate.run` (and evaluate) time the compile apart: the warmup they call before
     the job gets the job's requests, so a job that mixes greedy and sampled requests
     compiles the variant(s) it needs there (with nothing queued it would compile the
@@ -261,7 +261,7 @@ def test_generate_run_compiles_the_jobs_variants_before_it_runs(models, prompts)
            Request(1, prompts[1], SamplingParams(max_tokens=6, temperature=0.8, seed=3))]
     compiled = []
     warmup = eng.warmup
-    eng.warmup = lambda *a: compiled.append(warmup(*a)) or compiled[-1]
+    monkeypatch.setattr(eng, "warmup", lambda *a: compiled.append(warmup(*a)) or compiled[-1])
     records = []
     run(eng, job, ["g", "s"], records.append, has_tokenizer=False)
     assert [r["id"] for r in sorted(records, key=lambda r: r["id"])] == ["g", "s"]
