@@ -197,7 +197,8 @@ def run_job(model, method, k, rows, rule, args, prompts):
             gen = sum(len(r.token_ids) for r in res)
             flops = len(prompts) * prefill_flops(cfg, args.prompt_len, method != "none")
             best = {
-                "method": method, "k": k, "draft_head": cfg.draft_head, "prefill_batch": eng.config.prefill_batch,
+                "method": method, "k": k, "draft_head": cfg.draft_head,
+                "prefill_batch": eng.config.prefill_batch,
                 "prefill_chunk": eng.config.prefill_chunk,
                 "pages": rule, "preemptions": st.get("preemptions", 0),
                 "finish_reasons": sorted(collections.Counter(

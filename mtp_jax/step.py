@@ -496,10 +496,7 @@ class Program:
                      for x in jax.tree_util.tree_leaves(a))
 
     def __call__(self, *args):
-        sig = self._sig(args)
-        fn = self._by_args.get(sig)
-        if fn is None:
-            fn = self._by_args[sig] = self.store.get(self.jitted, self.name, self.context, args)
+        sig, fn = self.prepare(*args)
         try:
             return fn(*args)
         except TypeError:  # other params or state than this executable's: nothing ran
@@ -507,12 +504,14 @@ class Program:
             self._by_args[sig] = fn
             return fn(*args)
 
-    def prepare(self, *args) -> None:
-        """Load (or compile and save) the executable for these arguments without running
-        it."""
+    def prepare(self, *args) -> tuple:
+        """(signature, executable) for these arguments, loaded (or compiled and saved)
+        without running it."""
         sig = self._sig(args)
-        if sig not in self._by_args:
-            self._by_args[sig] = self.store.get(self.jitted, self.name, self.context, args)
+        fn = self._by_args.get(sig)
+        if fn is None:
+            fn = self._by_args[sig] = self.store.get(self.jitted, self.name, self.context, args)
+        return sig, fn
 
     def _cache_size(self) -> int:
         return self.jitted._cache_size() + len(self._by_args)
