@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.kv_write import DROP_SLOT, slot_mapping, write_rows
+from pallas_kernels.kv_write import DROP_SLOT, slot_mapping, write_pages
 from pallas_kernels import paged_mla as mla_kernel
 from pallas_kernels import resolve_backend
 from pallas_kernels.paged_attention import paged_attention
@@ -276,7 +276,7 @@ class PagedKV:
             if dp is not None:  # every dp replica of the pages takes every slot's rows
                 rows = tuple(jax.lax.all_gather(x, dp, axis=0, tiled=True) for x in rows)
                 slots = jax.lax.all_gather(slots, dp, axis=0, tiled=True)
-            return tuple(write_rows(p, x, slots, scale=s) for p, x, s in zip(pages, rows, scale))
+            return write_pages(pages, rows, slots, scale, backend=self.backend)
 
         page = P(tp, None, None, None)
         row = P(dp, None, tp, None)

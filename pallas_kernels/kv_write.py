@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels import resolve_backend
+
 DROP_SLOT = 2**31 - 1  # slot meaning "do not write"
 
 FP8_DTYPE = jnp.float8_e4m3fn
@@ -42,17 +44,8 @@ def quantize_rows(rows, scale, dtype):
   return x.astype(dtype)
 
 
-def write_rows(pages, new, slots, scale=None):
-  """Scatter new rows into their slots of one page array; returns the updated pages.
-
-  pages: [KVH, num_pages, page_size, D], any float dtype or float8_e4m3fn
-  new:   [T, KVH, D] or [B, T, KVH, D]
-  slots: [T] or [B, T] int32; slot >= num_pages * page_size is dropped.
-  scale: None or [KVH] float, the per-kv-head scale the pages are read with: stored is
-         new / scale[h], for fp8 pages saturated to +-448 (module docstring).
-  Slots that repeat within one call write an unspecified one of their rows.
-  """
-  kv_heads, num_pages, page_size, head_dim = pages.shape
+def _check(pages, new, slots, scale) -> None:
+  kv_heads, _, _, head_dim = pages.shape
   if new.shape[:-2] != slots.shape:
     raise ValueError(f"new rows {new.shape} must be slots.shape {slots.shape} + [KVH, D].")
   if new.shape[-2:] != (kv_heads, head_dim):
@@ -65,6 +58,19 @@ def write_rows(pages, new, slots, scale=None):
                      f"None, got {getattr(scale, 'dtype', type(scale).__name__)} "
                      f"{getattr(scale, 'shape', '')}.")
 
+
+def write_rows(pages, new, slots, scale=None):
+  """Scatter new rows into their slots of one page array; returns the updated pages.
+
+  pages: [KVH, num_pages, page_size, D], any float dtype or float8_e4m3fn
+  new:   [T, KVH, D] or [B, T, KVH, D]
+  slots: [T] or [B, T] int32; slot >= num_pages * page_size is dropped.
+  scale: None or [KVH] float, the per-kv-head scale the pages are read with: stored is
+         new / scale[h], for fp8 pages saturated to +-448 (module docstring).
+  Slots that repeat within one call write an unspecified one of their rows.
+  """
+  _check(pages, new, slots, scale)
+  kv_heads, num_pages, page_size, head_dim = pages.shape
   slots = slots.reshape(-1).astype(jnp.int32)
   # [T, KVH, D] -> [KVH, T, D] to match the head-major page layout.
   rows = quantize_rows(new.reshape(-1, kv_heads, head_dim).swapaxes(0, 1), scale,
@@ -76,15 +82,47 @@ def write_rows(pages, new, slots, scale=None):
   return flat.at[:, slots].set(rows, mode="drop").reshape(pages.shape)
 
 
-def write_kv(k_pages, v_pages, k_new, v_new, slots, k_scale=None, v_scale=None):
-  """`write_rows` for a K and a V page array alike (k_scale / v_scale: None or [KVH], as
+def write_pages(pages, new, slots, scales=None, *, backend=None, interpret=False):
+  """`write_rows` for page arrays that share one page geometry and one slot mapping (a
+  layer's K and V; a latent cache's one array), each with its own rows and scale.
+
+  pages: tuple of [KVH, num_pages, page_size, D_i]; new: tuple of [..., KVH, D_i] rows
+  shaped like slots + [KVH, D_i]; scales: None or a tuple of [KVH] float / None.
+  backend: None -> $MTP_JAX_ATTENTION_BACKEND or jax.default_backend() (the attention's
+  switch): 'gpu' writes every array in one Pallas kernel (`kv_write_gpu`; interpret=True
+  runs it in interpret mode), 'tpu' and 'reference' one XLA scatter per array. The
+  stored pages are the same either way. Returns the tuple of updated pages."""
+  from pallas_kernels.paged_attention import BACKEND_ENV_VAR
+
+  pages, new = tuple(pages), tuple(new)
+  scales = (None,) * len(pages) if scales is None else tuple(scales)
+  if not len(pages) == len(new) == len(scales):
+    raise ValueError(f"{len(pages)} page arrays, {len(new)} row arrays and {len(scales)} "
+                     "scales: one of each per array.")
+  for p, x, s in zip(pages, new, scales):
+    _check(p, x, slots, s)
+    if p.shape[:3] != pages[0].shape[:3]:
+      raise ValueError(f"page arrays {p.shape} and {pages[0].shape} differ in their "
+                       "[KVH, num_pages, page_size]: one slot mapping cannot serve both.")
+  if resolve_backend(backend, BACKEND_ENV_VAR, "KV write") != "gpu":
+    return tuple(write_rows(p, x, slots, s) for p, x, s in zip(pages, new, scales))
+  from pallas_kernels.kv_write_gpu import write_pages_gpu
+
+  kv_heads = pages[0].shape[0]
+  rows = tuple(x.reshape(-1, kv_heads, x.shape[-1]) for x in new)
+  return write_pages_gpu(pages, rows, slots.reshape(-1), scales, interpret=interpret)
+
+
+def write_kv(k_pages, v_pages, k_new, v_new, slots, k_scale=None, v_scale=None, *,
+             backend=None, interpret=False):
+  """`write_pages` for a K and a V page array alike (k_scale / v_scale: None or [KVH], as
   paged attention reads them); returns (k_pages, v_pages)."""
   if v_pages.shape != k_pages.shape:
     raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} differ.")
   if k_new.shape != v_new.shape:
     raise ValueError(f"k_new {k_new.shape} and v_new {v_new.shape} differ.")
-  return (write_rows(k_pages, k_new, slots, k_scale),
-          write_rows(v_pages, v_new, slots, v_scale))
+  return write_pages((k_pages, v_pages), (k_new, v_new), slots, (k_scale, v_scale),
+                     backend=backend, interpret=interpret)
 
 
 def slot_mapping(block_tables, positions, page_size, limit):
