@@ -222,18 +222,22 @@ def run_job(model, method, k, rows, rule, args, prompts):
 
 
 def profile_admission(eng: Engine, reqs: list) -> Optional[dict]:
-    """Trace one admission round (prefill_batch requests of the job, 1 token each: the
-    prefill, the MTP history and the first token) and print where its device time goes."""
+    """Trace the admission of one wave (max_batch requests of the job, 1 token each: the
+    prefill, the MTP history and the first token, prefill_batch requests a round, rounds
+    back to back as in the job) and print where its device time goes, per round, with the
+    idle time between programs (dispatches) and inside them."""
     batch = [Request(r.id, r.prompt_ids, SamplingParams(max_tokens=1))
-             for r in reqs[: eng.config.prefill_batch]]
+             for r in reqs[: eng.config.max_batch]]
     eng.generate(batch)  # any first-call cost outside the trace
     folder = tempfile.mkdtemp(prefix="trace_")
     with profile_trace.traced(folder):
         eng.generate(batch)
         jax.block_until_ready(eng.state)
     table = profile_trace.breakdown(folder)
-    print(profile_trace.render(table, unit=f"admission round of {len(batch)} x "
-                               f"{len(batch[0].prompt_ids)} tokens"), flush=True)
+    rounds = -(-len(batch) // eng.config.prefill_batch)
+    print(profile_trace.render(table, per=rounds, unit=f"admission round of "
+                               f"{eng.config.prefill_batch} x {len(batch[0].prompt_ids)} "
+                               f"tokens ({rounds} rounds traced)"), flush=True)
     return table
 
 
@@ -258,8 +262,9 @@ def main(argv=None):
     ap.add_argument("--job-programs", action="store_true", help="warm up only the prefill "
                     "chunk lengths the job's prompts use (shorter compiles; the engine's "
                     "own warmup compiles every bucket)")
-    ap.add_argument("--profile", action="store_true", help="trace one admission round per "
-                    "run and print its kernel time by kind (launch/profile_trace.py)")
+    ap.add_argument("--profile", action="store_true", help="trace one wave's admission "
+                    "rounds per run and print their kernel time by kind and their idle "
+                    "time (launch/profile_trace.py)")
     ap.add_argument("--k", default="3", help="K of the speculative methods (an int or auto)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="mimo-7b")
     ap.add_argument("--reps", type=int, default=2)

@@ -77,6 +77,7 @@ def breakdown(folder: str, top: Optional[int] = 15) -> Optional[dict]:
     kinds = collections.defaultdict(lambda: [0.0, 0])
     per_kernel = collections.defaultdict(lambda: [0.0, 0])
     start, end, busy, n = float("inf"), 0.0, 0.0, 0
+    spans = []  # (start, end, program, kernel) of every kernel, for the gaps
     for line in plane.lines:
         # kernel streams ("Stream #14(MemcpyD2D,Compute)"), not the summary lines ("XLA
         # Ops") nor streams of host <-> device copies alone
@@ -93,6 +94,8 @@ def breakdown(folder: str, top: Optional[int] = 15) -> Optional[dict]:
             per_kernel[key][1] += 1
             start = min(start, e.start_ns)
             end = max(end, e.start_ns + e.duration_ns)
+            spans.append((e.start_ns, e.start_ns + e.duration_ns, _stat(e, "hlo_module"),
+                          e.name[:60]))
             busy += e.duration_ns
             n += 1
     host = collections.defaultdict(lambda: [0.0, 0])  # jitted calls on the Python thread
@@ -111,7 +114,30 @@ def breakdown(folder: str, top: Optional[int] = 15) -> Optional[dict]:
             "kernels": n, "host_calls": sorted(([k, *v] for k, v in host.items()),
                                                key=lambda x: -x[1]),
             "kinds": {k: list(v) for k, v in sorted(kinds.items(), key=lambda x: -x[1][0])},
-            "top": ranked[:top]}
+            "top": ranked[:top], "gaps": gaps(spans)}
+
+
+def gaps(spans: list, top: int = 10) -> dict:
+    """The device's idle time between kernels, split into gaps where the next kernel
+    belongs to another program (XLA module: a new dispatch, waiting on the host) and gaps
+    inside one program, with the longest gaps and the kernels around them."""
+    spans.sort()
+    between = [0.0, 0]
+    inside = [0.0, 0]
+    longest = []
+    reach = spans[0][1] if spans else 0.0
+    for prev, cur in zip(spans, spans[1:]):
+        gap = cur[0] - max(reach, prev[1])
+        reach = max(reach, cur[1])
+        if gap <= 0:
+            continue
+        where = between if cur[2] != prev[2] else inside
+        where[0] += gap
+        where[1] += 1
+        longest.append((gap, f"{prev[2]}:{prev[3]}", f"{cur[2]}:{cur[3]}"))
+    longest.sort(reverse=True)
+    return {"between_programs_ns": between, "inside_programs_ns": inside,
+            "longest": longest[:top]}
 
 
 def render(table: Optional[dict], per: int = 1, unit: str = "forward") -> str:
@@ -131,6 +157,13 @@ def render(table: Optional[dict], per: int = 1, unit: str = "forward") -> str:
         lines.append(f"  host, dispatching jitted calls: {ms(sum(c[1] for c in calls)):.2f} ms "
                      "(" + ", ".join(f"{name} x{count / per:.0f} {ms(ns):.2f} ms"
                                      for name, ns, count in calls[:8]) + ")")
+    g = table.get("gaps")
+    if g:
+        (bn, bc), (inn, ic) = g["between_programs_ns"], g["inside_programs_ns"]
+        lines.append(f"  idle between programs {ms(bn):.2f} ms ({bc / per:.0f} gaps), inside "
+                     f"programs {ms(inn):.2f} ms ({ic / per:.0f} gaps); longest: "
+                     + "; ".join(f"{ns / 1e3:.0f} us {a} -> {b}"
+                                 for ns, a, b in g["longest"][:5]))
     lines.append("  top kernels:")
     for name, op, kind, ns, count in table["top"][:15]:
         lines.append(f"    {ms(ns):7.2f} ms  x{count / per:<5.0f} {kind:18s} {name}"

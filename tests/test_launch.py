@@ -329,3 +329,17 @@ def test_profile_breakdown_kinds_and_cpu_trace(tmp_path):
         jax.block_until_ready(jax.jit(lambda x: x @ x)(jnp.ones((8, 8))))
     assert profile_trace.breakdown(str(tmp_path)) is None
     assert "no accelerator kernels" in profile_trace.render(None)
+
+
+def test_profile_gaps_split_between_and_inside_programs():
+    """Idle time between kernels of two programs (a new dispatch) and inside one, with
+    overlapping kernels (two streams) not counted as idle."""
+    sys.path.insert(0, str(LAUNCH))
+    import profile_trace
+
+    spans = [(30, 40, "b", "k3"), (0, 10, "a", "k1"), (12, 20, "a", "k2"),
+             (35, 38, "b", "k4"), (41, 50, "b", "k5")]
+    g = profile_trace.gaps(spans)
+    assert g["between_programs_ns"] == [10.0, 1]  # k2 ends at 20, k3 starts at 30
+    assert g["inside_programs_ns"] == [3.0, 2]  # 10 -> 12, and k3's end 40 -> 41
+    assert g["longest"][0] == (10, "a:k2", "b:k3")
