@@ -359,7 +359,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, kv_lens, *, sliding_windo
 def _paged_attention_kernel(q, k_pages, v_pages, block_tables, kv_lens, *, sliding_window,
                             soft_cap, sm_scale, sinks, k_scale, v_scale, backend, interpret,
                             block_config):
-  """Pack the query rows (and their sinks), run the backend's kernel, unpack."""
+  """The packed rows' sinks and the backend's kernel: the GPU kernel gathers its packed
+  query rows from q and stores them back unpacked; the TPU kernel takes them packed."""
   _check_inputs(q, k_pages, v_pages, block_tables, kv_lens, sliding_window, soft_cap, sinks,
                 k_scale, v_scale)
   batch, q_len, num_q_heads, head_dim = q.shape
@@ -370,12 +371,10 @@ def _paged_attention_kernel(q, k_pages, v_pages, block_tables, kv_lens, *, slidi
       batch, q_len, num_q_heads, num_kv_heads, page_size, block_tables.shape[1], backend,
       num_cores=132 if interpret else None, kv_dtype=k_pages.dtype)
 
-  # Pack rows: [B, Q, KVH*G, D] -> [B, KVH, Q*G, D] (row = i*G + g), padded to the tile.
+  # Packed rows: kv head h's query rows r = i*G + g (query i, head h*G + g), padded to the
+  # tile. The GPU kernel gathers them from q itself; the TPU kernel takes them packed.
   rows = q_len * group
   padded = -(-rows // cfg.rows_per_block) * cfg.rows_per_block
-  qp = q.reshape(batch, q_len, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
-  qp = qp.reshape(batch, num_kv_heads, rows, head_dim)
-  qp = jnp.pad(qp, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
   sink_rows = None
   if sinks is not None:
     # Packed row r = i*G + g of kv head h takes query head h*G + g's sink: [KVH, R].
@@ -391,14 +390,17 @@ def _paged_attention_kernel(q, k_pages, v_pages, block_tables, kv_lens, *, slidi
                 interpret=interpret)
   if backend == "gpu":
     from pallas_kernels.paged_attention_gpu import paged_attention_gpu
-    out = paged_attention_gpu(qp, k_pages, v_pages, block_tables, kv_lens, scales, sink_rows,
+    out = paged_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, scales, sink_rows,
                               **common, num_splits=cfg.num_splits,
                               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-  else:
-    if cfg.num_splits != 1:
-      raise ValueError("The TPU kernel runs one KV split; set BlockConfig.num_splits=1.")
-    from pallas_kernels.paged_attention_tpu import paged_attention_tpu
-    out = paged_attention_tpu(qp, k_pages, v_pages, block_tables, kv_lens, scales, sink_rows,
-                              **common)
+    return out if out.shape[-1] == v_dim else out[..., :v_dim]
+  if cfg.num_splits != 1:
+    raise ValueError("The TPU kernel runs one KV split; set BlockConfig.num_splits=1.")
+  from pallas_kernels.paged_attention_tpu import paged_attention_tpu
+  qp = q.reshape(batch, q_len, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+  qp = qp.reshape(batch, num_kv_heads, rows, head_dim)
+  qp = jnp.pad(qp, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
+  out = paged_attention_tpu(qp, k_pages, v_pages, block_tables, kv_lens, scales, sink_rows,
+                            **common)
   out = out[:, :, :rows, :v_dim].reshape(batch, num_kv_heads, q_len, group, v_dim)
   return out.transpose(0, 2, 1, 3, 4).reshape(batch, q_len, num_q_heads, v_dim)
