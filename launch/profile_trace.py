@@ -30,7 +30,7 @@ import jax
 KINDS = (
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "dot")),
     ("attention", ("attention", "paged", "flash", "mha", "mla")),
-    ("kv write / scatter", ("write_rows", "scatter", "dynamic-update-slice",
+    ("kv write / scatter", ("write_rows", "kv_write", "scatter", "dynamic-update-slice",
                             "dynamic_update_slice")),
     ("copy", ("copy", "memcpy", "memset", "transpose")),
     ("reduce", ("reduce", "argmax", "sort", "topk")),

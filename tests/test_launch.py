@@ -322,6 +322,7 @@ def test_profile_breakdown_kinds_and_cpu_trace(tmp_path):
     names = {"nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NNN": "matmul",
              "gemm_fusion_dot_3": "matmul", "paged_attention_gpu": "attention",
              "input_scatter_fusion_79": "kv write / scatter",
+             "kv_write_gpu": "kv write / scatter",
              "loop_transpose_fusion_75": "copy", "Memset 0": "copy",
              "loop_multiply_fusion_37": "other fusion", "MysteryKernel": "other"}
     assert {n: profile_trace.kind_of(n) for n in names} == names
