@@ -147,6 +147,13 @@ def candidates(scheme, m, k, n, s, tiny, sweep):
     if m == 1:  # the CUDA-core path's other chunk shapes (8 KB each)
       alts += [dataclasses.replace(d, block_n=bn, block_k=8192 // bn)
                for bn in (512, 256, 128) if bn != d.block_n and (k // s) % (8192 // bn) == 0]
+    else:  # tensor-core tiles: wider columns (x re-read less), other chunks and warps
+      alts += [dataclasses.replace(d, block_n=256, num_warps=w, num_stages=st)
+               for w in (4, 8) for st in (3, 4)]
+      alts += [dataclasses.replace(d, block_k=bk, num_warps=w, num_stages=st)
+               for bk in (32, 64, 256) for w in (4, 8) for st in (3, 4, 5)
+               if (k // s) % bk == 0]
+      alts += [dataclasses.replace(d, num_warps=8)]
   cfgs += [c for c in alts if n % c.block_n == 0 and c.block_n >= 16 and c not in cfgs]
   for i, c in enumerate(cfgs):
     name = f"{scheme} Pallas" + ("" if i == 0 else f" ({config_label(c)})")
