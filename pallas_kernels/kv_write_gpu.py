@@ -74,13 +74,12 @@ def _kernel(slots_ref, scale_ref, *refs, n, num_tokens, block_t, has_scale):
       pltriton.store(outs[i].at[at], y, mask=mask)
 
 
-@functools.partial(jax.jit, static_argnames=("block_t", "num_warps", "interpret"),
-                   donate_argnums=(0,))
+@functools.partial(jax.jit, static_argnames=("block_t", "num_warps", "interpret"))
 def write_pages_gpu(pages, new, slots, scales, *, block_t=16, num_warps=4, interpret=False):
   """pages: tuple of [KVH, num_pages, page_size, D_i] arrays (one page geometry, any
   float dtype or float8_e4m3fn), new: tuple of [T, KVH, D_i] rows, slots: [T] int32,
-  scales: tuple of [KVH] float or None per array. Returns the updated pages (donated:
-  updated in place)."""
+  scales: tuple of [KVH] float or None per array. Returns the updated pages: in place
+  when the caller's program donates them (the engine's do), else written into a copy."""
   n = len(pages)
   kv_heads, num_pages, page_size, _ = pages[0].shape
   num_tokens = slots.shape[0]

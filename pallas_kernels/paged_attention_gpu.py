@@ -184,13 +184,20 @@ def _kernel(kv_lens_ref, bt_ref, scale_ref, q_ref, k_ref, v_ref, *refs, sm_scale
 
   if num_splits == 1:  # straight into the unpacked output's rows
     (o_ref,) = out_refs
-    seen = l != 0.0
-    out = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0) * v_scale
+    out = normalised(acc, l, v_scale)
     shape = out.shape
     at = (jnp.broadcast_to(q_at[:, None], shape), lax.broadcasted_iota(jnp.int32, shape, 1))
     pltriton.store(o_ref.at[at], out.astype(o_ref.dtype), mask=q_valid[:, None])
   else:
     store_rows(out_refs, acc, m, l, v_scale)
+
+
+def normalised(acc, l, v_scale=None):
+  """A tile's output rows: acc / l, 0 where a row saw nothing (l == 0), times v_scale (a
+  scalar, or None)."""
+  seen = l != 0.0
+  out = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0)
+  return out if v_scale is None else out * v_scale
 
 
 def store_rows(out_refs, acc, m, l, v_scale=None):
@@ -199,9 +206,7 @@ def store_rows(out_refs, acc, m, l, v_scale=None):
   saw nothing store 0 (lse -inf); a NaN in a visible position stays NaN. v_scale (a
   scalar, or None) multiplies the output, not the lse: the combine is linear in it."""
   seen = l != 0.0
-  out = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0)
-  if v_scale is not None:
-    out = out * v_scale
+  out = normalised(acc, l, v_scale)
   if len(out_refs) == 1:
     (o_ref,) = out_refs
     o_ref[...] = out.astype(o_ref.dtype)
