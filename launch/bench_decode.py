@@ -4,13 +4,14 @@
   PYTHONPATH=. python launch/bench_decode.py [--shape mimo-7b|llama2-7b]
       [--batches 1,8,32,64] [--ctxs 1024,4096] [--weights bf16,int8,fp8,fp8-block]
       [--acceptance checkpoints/acceptance_bf16.json] [--profile] [--tiny]
-      [--draft-vocab 0,32768] [--draft-head none,int8]
+      [--draft-vocab 0,32768] [--draft-head none,int8] [--kv-dtype model,fp8]
 
 `--weights` runs the same table for the model as built and for each quantized copy
 (`mtp_jax.quantize_model`), side by side in one process, against one copy-bandwidth
 measurement; the bytes limit counts the quantized weights' bytes (values and scales).
 `--draft-vocab` and `--draft-head` do the same for a reduced draft vocabulary and for the
 draft's quantized head copy; the draft's limit counts the head it reads at that batch.
+`--kv-dtype model,fp8` runs pages in the model's dtype and fp8 pages side by side.
 
 Random bf16 weights arranged so that greedy decoding is a fixed permutation of the
 current token and every MTP module predicts it too (attention / MLP output projections
@@ -404,8 +405,10 @@ def main(argv=None):
                     help="JSON with the shipped model's acceptance per depth (chain, K=3)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke run)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="mimo-7b")
-    ap.add_argument("--kv-dtype", choices=["fp8"], help="fp8 KV pages (scales calibrated on "
-                                                        "the oracle model)")
+    ap.add_argument("--kv-dtype", default="model",
+                    help="comma list of KV page dtypes to run side by side: model (the "
+                         "model's dtype, the default) and fp8 (scales calibrated on the "
+                         "oracle model)")
     ap.add_argument("--weights", default="bf16",
                     help="comma list of bf16 (as built) and quantization modes "
                          "(int8, fp8, fp8-block), each timed in this run")
@@ -435,6 +438,9 @@ def main(argv=None):
                     help="the steps' dense matmuls on a GPU (EngineConfig.step_gemms; "
                          "default: by rows)")
     args = ap.parse_args(argv)
+    kv_dtypes = [None if x == "model" else x for x in args.kv_dtype.split(",")]
+    if set(kv_dtypes) - {None, "fp8"}:
+        ap.error(f"--kv-dtype {args.kv_dtype!r}: choose from model, fp8")
     cfg = ModelConfig(**(TINY if args.tiny else SHAPES[args.shape]))
     dtype = jnp.dtype(cfg.dtype)
     acceptance = None
@@ -455,16 +461,17 @@ def main(argv=None):
     base = oracle_model(cfg, dtype)
     log(f"model {cfg.num_params / 1e9:.2f} B params built in {time.perf_counter() - t0:.1f}s")
     head = cfg.hidden_size * cfg.vocab_size * dtype.itemsize
-    kv_bytes = 1 if args.kv_dtype == "fp8" else dtype.itemsize
-    kv_tok = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_bytes
-    if args.kv_dtype == "fp8":
+    if "fp8" in kv_dtypes:  # read only by engines with fp8 pages
         ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 256)).tolist()
         base.kv_scales = calibrate_kv_scales(base, ids)
     rows = []
-    variants = [(w, int(n), h) for w in args.weights.split(",")
-                for n in args.draft_vocab.split(",") for h in args.draft_head.split(",")]
+    variants = [(w, int(n), h, kv) for w in args.weights.split(",")
+                for n in args.draft_vocab.split(",") for h in args.draft_head.split(",")
+                for kv in kv_dtypes]
     page_sizes = [int(x) for x in args.page_sizes.split(",")]
-    for weights, n_draft, draft_head in variants:
+    for weights, n_draft, draft_head, kv_dtype in variants:
+        kv_bytes = 1 if kv_dtype == "fp8" else dtype.itemsize
+        kv_tok = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_bytes
         model = base if weights in ("bf16", "f32", "none") else quantize_model(base, weights)
         if n_draft:
             model = with_draft_vocab(model, np.arange(n_draft))
@@ -485,10 +492,10 @@ def main(argv=None):
         for b, page in [(int(x), p) for x in args.batches.split(",") for p in page_sizes]:
             for row in bench_batch(model, b, [int(x) for x in args.ctxs.split(",")],
                                    args.steps, dtype, acceptance, mesh, args.steps_only,
-                                   args.kv_dtype, args.profile, args.step_gemms, page,
+                                   kv_dtype, args.profile, args.step_gemms, page,
                                    args.fixed_trip, args.sampled_steps):
                 ctx = row["ctx"]
-                row["kv_dtype"] = (args.kv_dtype or str(dtype)) + (
+                row["kv_dtype"] = (kv_dtype or str(dtype)) + (
                     f" p{page}" if page_sizes != [16] else "")
                 plain_bytes = tw + b * ctx * kv_tok
                 with use_mesh(mesh):  # the rule the model reads the copy by
