@@ -85,6 +85,8 @@ def write_pages_gpu(pages, new, slots, scales, *, block_t=16, num_warps=4, inter
   num_tokens = slots.shape[0]
   if block_t & (block_t - 1):
     raise ValueError(f"block_t must be a power of two, got {block_t}.")
+  if num_tokens == 0:  # nothing to write (and no grid to launch)
+    return tuple(pages)
   has_scale = tuple(s is not None for s in scales)
   scale = jnp.stack([jnp.ones((kv_heads,), jnp.float32) if s is None else
                      s.astype(jnp.float32) for s in scales], axis=1)  # [KVH, n]

@@ -75,6 +75,16 @@ def test_all_dropped_is_identity_and_negative_slots_do_not_wrap(writer):
 
 
 @pytest.mark.parametrize("writer", WRITERS)
+def test_no_tokens_writes_nothing(writer):
+  k0, v0 = map(jnp.asarray, _pages())
+  empty = jnp.zeros((0, KVH, D), jnp.float32)
+  k1, v1 = write_kv(k0, v0, empty, empty, jnp.zeros((0,), jnp.int32), backend=writer[0],
+                    interpret=writer[1])
+  np.testing.assert_array_equal(np.asarray(k1), np.asarray(k0))
+  np.testing.assert_array_equal(np.asarray(v1), np.asarray(v0))
+
+
+@pytest.mark.parametrize("writer", WRITERS)
 def test_write_casts_to_page_dtype(writer):
   k0, v0 = _pages()
   k0, v0 = jnp.asarray(k0, jnp.bfloat16), jnp.asarray(v0, jnp.bfloat16)
