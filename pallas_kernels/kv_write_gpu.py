@@ -27,29 +27,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.kv_write import FP8_DTYPE, FP8_MAX
+from pallas_kernels.kv_write import stored
+from pallas_kernels.paged_attention import head_scales
 from pallas_kernels.paged_attention_gpu import key_dim_parts
-
-_F32_MAX = float(np.finfo(np.float32).max)
-
-
-def _stored(x, scale, has_scale: bool, dtype):
-  """A loaded block of new rows as stored in pages of `dtype` (kv_write.quantize_rows)."""
-  if not has_scale and dtype != FP8_DTYPE:
-    return x.astype(dtype)
-  y = x.astype(jnp.float32)
-  if has_scale:
-    y = y / scale
-  if dtype == FP8_DTYPE:
-    finite = jnp.abs(x.astype(jnp.float32)) <= _F32_MAX  # False for NaN and +-inf
-    y = jnp.where(finite, jnp.minimum(jnp.maximum(y, -FP8_MAX), FP8_MAX), jnp.nan)
-  return y.astype(dtype)
-
 
 def _kernel(slots_ref, scale_ref, *refs, n, num_tokens, block_t, has_scale):
   news, outs = refs[:n], refs[2 * n:]  # refs[n:2n]: the pages in, aliased to outs
@@ -68,7 +52,7 @@ def _kernel(slots_ref, scale_ref, *refs, n, num_tokens, block_t, has_scale):
       mask = ok[:, None] & (col < start + width)
       x = pltriton.load(news[i].at[jnp.broadcast_to(t[:, None], shape), col], mask=mask,
                         other=0.0)
-      y = _stored(x, scale_ref[i], has_scale[i], outs[i].dtype)
+      y = stored(x, scale_ref[i] if has_scale[i] else None, outs[i].dtype)
       at = (jnp.broadcast_to(page[:, None], shape), jnp.broadcast_to(offset[:, None], shape),
             col)
       pltriton.store(outs[i].at[at], y, mask=mask)
@@ -88,8 +72,7 @@ def write_pages_gpu(pages, new, slots, scales, *, block_t=16, num_warps=4, inter
   if num_tokens == 0:  # nothing to write (and no grid to launch)
     return tuple(pages)
   has_scale = tuple(s is not None for s in scales)
-  scale = jnp.stack([jnp.ones((kv_heads,), jnp.float32) if s is None else
-                     s.astype(jnp.float32) for s in scales], axis=1)  # [KVH, n]
+  scale = head_scales(*scales, num_kv_heads=kv_heads)  # [KVH, n], 1.0 for None
   kernel = functools.partial(_kernel, n=n, num_tokens=num_tokens, block_t=block_t,
                              has_scale=has_scale)
   page_specs = [pl.BlockSpec((None, num_pages, page_size, p.shape[-1]),

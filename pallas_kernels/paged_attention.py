@@ -252,11 +252,19 @@ def _check_inputs(q, k_pages, v_pages, block_tables, kv_lens, sliding_window, so
       raise ValueError(f"{name} must be a float array, got {scale.dtype}.")
 
 
-def head_scales(k_scale, v_scale, num_kv_heads):
-  """[KVH, 2] f32: (k_scale[h], v_scale[h]) per kv head, 1.0 where a scale is None."""
+def head_scales(*scales, num_kv_heads):
+  """[KVH, len(scales)] f32: each [KVH] scale (here k_scale, v_scale) per kv head, 1.0
+  where a scale is None."""
   ones = jnp.ones((num_kv_heads,), jnp.float32)
-  return jnp.stack([ones if k_scale is None else k_scale.astype(jnp.float32),
-                    ones if v_scale is None else v_scale.astype(jnp.float32)], axis=1)
+  return jnp.stack([ones if s is None else s.astype(jnp.float32) for s in scales], axis=1)
+
+
+def unpack_rows(out, q_len, group):
+  """A kernel's packed output [B, KVH, R, W] (row r = i*G + g, padded past Q*G) as
+  [B, Q, KVH*G, W]: query i's head h*G + g."""
+  batch, kv_heads, _, width = out.shape
+  out = out[:, :, :q_len * group].reshape(batch, kv_heads, q_len, group, width)
+  return out.transpose(0, 2, 1, 3, 4).reshape(batch, q_len, kv_heads * group, width)
 
 
 @functools.partial(jax.jit, static_argnames=("sliding_window", "soft_cap", "sm_scale",
@@ -383,7 +391,7 @@ def _paged_attention_kernel(q, k_pages, v_pages, block_tables, kv_lens, *, slidi
     sink_rows = jnp.pad(sink_rows, ((0, 0), (0, padded - rows)))
   # Always passed (ones when None): multiplying by 1.0 changes no bit, and one kernel
   # signature serves quantized and plain pages.
-  scales = head_scales(k_scale, v_scale, num_kv_heads)
+  scales = head_scales(k_scale, v_scale, num_kv_heads=num_kv_heads)
   common = dict(q_len=q_len, group=group, soft_cap=soft_cap, window=sliding_window,
                 sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale,
                 pages_per_block=cfg.pages_per_block, rows_per_block=cfg.rows_per_block,
@@ -402,5 +410,4 @@ def _paged_attention_kernel(q, k_pages, v_pages, block_tables, kv_lens, *, slidi
   qp = jnp.pad(qp, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
   out = paged_attention_tpu(qp, k_pages, v_pages, block_tables, kv_lens, scales, sink_rows,
                             **common)
-  out = out[:, :, :rows, :v_dim].reshape(batch, num_kv_heads, q_len, group, v_dim)
-  return out.transpose(0, 2, 1, 3, 4).reshape(batch, q_len, num_q_heads, v_dim)
+  return unpack_rows(out[..., :v_dim], q_len, group)

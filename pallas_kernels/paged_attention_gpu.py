@@ -40,7 +40,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.paged_attention import MASK_VALUE, tile_kv_range, visible_mask
+from pallas_kernels.paged_attention import (MASK_VALUE, tile_kv_range, unpack_rows,
+                                            visible_mask)
 
 
 def dim_tile(n: int) -> int:
@@ -297,6 +298,4 @@ def paged_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, scales, sink
   )(*args)
   if num_splits == 1:
     return outs[0].reshape(batch, q_len, num_q_heads, v_tile)
-  out = combine_splits(*outs).astype(q.dtype)[:, :, :packed]
-  out = out.reshape(batch, kv_heads, q_len, group, v_tile)
-  return out.transpose(0, 2, 1, 3, 4).reshape(batch, q_len, num_q_heads, v_tile)
+  return unpack_rows(combine_splits(*outs).astype(q.dtype), q_len, group)
