@@ -248,8 +248,10 @@ class Engine:
                 out = prepare(self.progs.prefill_mtp(c), p, st, slots, zero, zero)
                 st = st if out is None else out
             if c == self.buckets()[-1]:
-                out = prepare(self.progs.prefill_finish, p, st, slots, logits, zero)
-                st = st if out is None else out
+                for sampled in variants:  # the first tokens: the steps' variants
+                    out = prepare(self.progs.prefill_finish(sampled), p, st, slots, logits,
+                                  zero)
+                    st = st if out is None else out
         self.state = st
         # admit a dummy request onto null pages with every KV write dropped (limit 0), run
         # one step of each kind and free the slot again, with the argument types the real
@@ -283,6 +285,11 @@ class Engine:
     def _sampled(self, reqs) -> bool:
         """Whether steps over these requests need the sampled step programs."""
         return not self.greedy_steps or any(r.sampling.temperature > 0 for r in reqs)
+
+    def _sampled_variant(self, reqs) -> bool:
+        """The variant (sampled: True / False) a step dispatch or a prefill batch over these
+        requests takes: the greedy programs only where they are warm."""
+        return self._sampled(reqs) or False not in self._warm_variants
 
     def _step_variants(self, requests: Iterable[Request] = ()) -> tuple:
         """The step-program variants (sampled: True / False) the queued requests and
@@ -319,10 +326,12 @@ class Engine:
 
     def cache_sizes(self) -> dict:
         """Compiled-program cache sizes (for checking that nothing recompiles)."""
-        out = {n: getattr(self.progs, n)._cache_size()
-               for n in ("admit", "release", "prefill_finish", "grow")}  # finish: per row count
+        variants = self._warm_variants or (True,)
+        out = {n: getattr(self.progs, n)._cache_size() for n in ("admit", "release", "grow")}
+        out["prefill_finish"] = sum(self.progs.prefill_finish(v)._cache_size()
+                                    for v in variants)  # per row count
         out["run_steps"] = sum(self.progs.steps(k, v)._cache_size() for k in self.static.kinds
-                               for v in self._warm_variants or (True,))
+                               for v in variants)
         apart = self.static.history_apart
         for n in ("prefill_target", "prefill_mtp") if apart else ("prefill_target",):
             fns = [getattr(self.progs, n)(c) for c in self.buckets()]
@@ -420,11 +429,13 @@ class Engine:
         cols[-1] = cols[-1].reshape(-1)  # every row's pages, for zeroing
         self.state = self.progs.admit(self.state, *cols)
 
-    def _prefill(self, slots: np.ndarray, prompt_len: np.ndarray) -> None:
+    def _prefill(self, slots: np.ndarray, prompt_len: np.ndarray, sampled: bool = True
+                 ) -> None:
         """Prefill a batch of admitted requests together, a row each (slots [r], padding
         rows max_batch with prompt length 0): the target's chunks, each with the MTP
         history over its positions (`window`: the history's chunks after them), then each
-        row's first token and drafts. Chunk lengths follow the longest remainder."""
+        row's first token and drafts (`sampled` False: every row is greedy). Chunk lengths
+        follow the longest remainder."""
         s, p = self.static, self.model.params
         st = self.state
         logits = jnp.zeros((len(slots), self.model.config.vocab_size), jnp.float32)
@@ -435,7 +446,7 @@ class Engine:
         if s.history_apart:
             for c, start, _ in self.chunks(history_end):
                 st = self.progs.prefill_mtp(c)(p, st, slots, start, history_end)
-        self.state = self.progs.prefill_finish(p, st, slots, logits, prompt_len)
+        self.state = self.progs.prefill_finish(sampled)(p, st, slots, logits, prompt_len)
 
     def chunks(self, end: np.ndarray):
         """(chunk length, starts, valid lengths) of each prefill forward over rows whose
@@ -513,7 +524,7 @@ class Engine:
             slots[i], prompt_len[i] = a.slot, len(a.req.prompt_ids)
         try:
             self._admit([a.row for a in batch])
-            self._prefill(slots, prompt_len)
+            self._prefill(slots, prompt_len, self._sampled_variant(a.req for a in batch))
         except Exception as e:
             self._refuse(batch, e, out)
             return
@@ -662,8 +673,7 @@ class Engine:
                 if admitted and timed:
                     jax.block_until_ready(self.state)
                 t0 = time.perf_counter()
-                sampled = (self._sampled(x.req for x in self.slots if x is not None)
-                           or False not in self._warm_variants)
+                sampled = self._sampled_variant(x.req for x in self.slots if x is not None)
                 self.state = self.progs.steps(kind, sampled)(self.model.params, self.state,
                                                              jnp.int32(n))
                 done = self._collect()

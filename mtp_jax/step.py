@@ -104,8 +104,9 @@ class Static:
     layout: KVLayout
     mesh: Optional[Mesh] = None
     weights_quantized: bool = False  # int8 / fp8 matmul weights (quant.mode_of)
-    # the decode steps carry the sampled rows' paths; False: a step program for batches
-    # whose rows are all greedy (`Programs.steps(kind, sampled=False)`)
+    # the decode steps and the prefill's first tokens carry the sampled rows' paths;
+    # False: programs for batches whose rows are all greedy (`Programs.steps(kind,
+    # sampled=False)`, `Programs.prefill_finish(sampled=False)`)
     sampled: bool = True
 
     @property
@@ -443,13 +444,15 @@ def prefill_mtp(model, s: Static, st: DecodeState, slots, start, history_end, ch
 
 def prefill_finish(model, s: Static, st: DecodeState, slots, logits, prompt_len):
     """Per row of a prefill batch: sample the first token; draft from the window of
-    positions a-K..a (a = P - 1). Padding rows (slot max_batch) change nothing."""
+    positions a-K..a (a = P - 1). Padding rows (slot max_batch) change nothing.
+    `s.sampled` False: every row is greedy, so argmax tokens and no draft log-probs, as in
+    the greedy step programs."""
     k, o = s.k, s.offset
     at = lambda x: x.at[slots].get(mode="clip")  # noqa: E731
     put = lambda x, v: x.at[slots].set(v, mode="drop")  # noqa: E731
     sp = jax.tree_util.tree_map(at, st.sampling)
     keys = row_keys(sp.seed, prompt_len[:, None], SALT_TARGET)[:, 0]
-    first, _ = sample(logits, sp.temperature, sp.top_k, sp.top_p, keys)
+    first, _ = sample(logits, sp.temperature, sp.top_k, sp.top_p, keys, sampled=s.sampled)
     bad = ~jnp.all(jnp.isfinite(logits), axis=-1) | (at(st.finish) == FINISH_ERROR)
     length = prompt_len + 1
     stop = jnp.any(at(st.stop_ids) == first[:, None], axis=-1)
@@ -467,8 +470,8 @@ def prefill_finish(model, s: Static, st: DecodeState, slots, logits, prompt_len)
         win_pos = a[:, None] - k + jnp.arange(k + 1)
         kv = _rows_kv(s, st, slots, at(st.limit))
         drafts, logp = draft(model, s.spec.method, k, kv, win_t, win_h, win_pos, sp,
-                             coupled=s.coupled)
-        if not s.coupled:
+                             coupled=s.coupled, sampled=s.sampled)
+        if logp is not None and not s.coupled:  # greedy rows never read theirs
             upd["draft_logp"] = put(st.draft_logp, logp)
         upd.update(drafts=put(st.drafts, drafts), hist_tokens=put(st.hist_tokens, win_t[:, 1:]),
                    hist_hidden=put(st.hist_hidden, win_h[:, 1:]), caches=tuple(kv.caches))
@@ -684,12 +687,15 @@ class Programs:
                                chunk)
         return self._jit(f, 3, name=f"prefill_mtp{chunk}")
 
-    @functools.cached_property
-    def prefill_finish(self):
+    @functools.cache
+    def prefill_finish(self, sampled: bool = True):
+        """First tokens and drafts of a prefill batch; `sampled` False: the variant for
+        batches whose rows are all greedy, as for `steps`."""
+        static = self.static if sampled else dataclasses.replace(self.static, sampled=False)
+
         def f(params, st, slots, logits, prompt_len):
-            return prefill_finish(self._merge(params), self.static, st, slots, logits,
-                                  prompt_len)
-        return self._jit(f, 3, name="prefill_finish")
+            return prefill_finish(self._merge(params), static, st, slots, logits, prompt_len)
+        return self._jit(f, 3, name="prefill_finish" + ("" if sampled else "_greedy"))
 
 
 def programs(static: Static, graphdef, state_sharding=None, params_sharding=None) -> Programs:

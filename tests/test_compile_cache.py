@@ -171,8 +171,10 @@ def test_warm_engine_loads_every_program_and_decodes_the_same(tmp_path, monkeypa
         got.append([r.token_ids for r in res])
         stats.append((s.loaded, s.saved))
         traced = sum(getattr(eng.progs, n).jitted._cache_size()
-                     for n in ("admit", "release", "grow", "prefill_finish"))
+                     for n in ("admit", "release", "grow"))
         traced += sum(eng.progs.steps(k, v).jitted._cache_size() for k in eng.static.kinds
+                      for v in eng._warm_variants)
+        traced += sum(eng.progs.prefill_finish(v).jitted._cache_size()
                       for v in eng._warm_variants)
         traced += sum(eng.progs.prefill_target(c).jitted._cache_size() for c in eng.buckets())
     assert got[0] == want and got[1] == want

@@ -333,11 +333,11 @@ def test_a_failing_prefill_batch_errors_its_rows_and_leaks_nothing(engine, alone
     eng = engine("none")
     real, calls = eng._prefill, []
 
-    def prefill(slots, prompt_len):
+    def prefill(slots, prompt_len, *variant):
         calls.append(len(slots))
         if len(calls) == 1:
             raise RuntimeError("injected")
-        return real(slots, prompt_len)
+        return real(slots, prompt_len, *variant)
 
     monkeypatch.setattr(eng, "_prefill", prefill)
     results = eng.generate([Request(i, p, SAMPLINGS[0]) for i, p in enumerate(PROMPTS)])
@@ -1113,10 +1113,11 @@ def test_tiny_top_p_keeps_the_top_token(engine, alone):
 def test_nothing_recompiled(engines):
     """All of the above, hostile and broken inputs included, ran on the programs compiled
     by warmup(): one executable per program, prefill bucket and prefill row count, and a
-    step program per variant (greedy and sampled: both ran here)."""
+    step and first-token program per variant (greedy and sampled: both ran here)."""
     for method, eng in engines.items():
         sizes = eng.cache_sizes()
         assert eng._warm_variants == {False, True}, method
         assert sizes["run_steps"] == 2 and sizes["admit"] == 1, (method, sizes)
         assert eng.prefill_programs() == [(1, 16), (2, 16), (4, 16)]
-        assert sizes["prefill_target"] == 3 and sizes["prefill_finish"] == 3, (method, sizes)
+        assert sizes["prefill_target"] == 3 and sizes["prefill_finish"] == 2 * 3, (method,
+                                                                                  sizes)

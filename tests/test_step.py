@@ -212,7 +212,8 @@ def test_no_recompile_after_warmup(models, prompts):
 def test_greedy_step_programs_keep_tokens_steps_and_acceptance(models, prompts, references,
                                                               per_dispatch, monkeypatch):
     """EngineConfig.greedy_steps (on by default): dispatches whose rows are all greedy run
-    step programs without the sampled rows' paths. A greedy job, then one that mixes in a
+    step programs without the sampled rows' paths, and prefill batches whose rows are all
+    greedy the first-token program without them. A greedy job, then one that mixes in a
     seeded sampled request: the same tokens, steps and acceptance as an engine that always
     runs the full programs (greedy_steps=False), each variant compiled at the warmup of
     the first job that needs it. A mixed job compiles both variants and picks one per
