@@ -8,6 +8,7 @@ and MTP), whether the engine's greedy outputs equal the plain reference generato
 the shardings the loader produced when it streamed the checkpoint onto the mesh.
 """
 
+import gc
 import json
 import os
 import sys
@@ -29,6 +30,7 @@ from mtp_jax.reference import generate_reference  # noqa: E402
 from mtp_jax.sharding import make_mesh, param_sharding, use_mesh  # noqa: E402
 
 assert len(jax.devices()) == 8, jax.devices()
+gc.set_threshold(10_000, 10, 10)  # fewer full collections while compiling, as conftest.py
 DEEPSEEK = sys.argv[1:] == ["deepseek_v3"]
 if DEEPSEEK:  # 16 experts in 4 groups, 2 shared, 2 dense layers, 4 MLA heads, YaRN
     model = load(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "golden",

@@ -6,6 +6,7 @@ and the orbax restore-into-sharding checks.
 """
 
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -24,6 +25,7 @@ from mtp_jax.reference import generate_reference  # noqa: E402
 from mtp_jax.sharding import make_mesh, param_sharding, param_spec  # noqa: E402
 
 assert len(jax.devices()) == 8, jax.devices()
+gc.set_threshold(10_000, 10, 10)  # fewer full collections while compiling, as conftest.py
 model = markov_model("mimo", target_noise=0.5, mtp_noise=0.2, vocab=64, seed=1)
 rng = np.random.default_rng(3)
 prompts = [rng.integers(0, 64, size=n).tolist() for n in (3, 9, 17, 30)]
