@@ -118,6 +118,9 @@ def test_preempted_requests_continue_to_the_same_output(method, k):
         assert eng.stats["max_running"] == PAGED.max_batch
     alone = Engine(model, spec, EngineConfig(**{**PAGED.__dict__, "num_pages": None,
                                                 "max_batch": 1}))
+    # the programs the job needs, as generate / evaluate warm an engine (on a CPU the
+    # full ones, which the requests below then share, instead of a variant per kind)
+    alone.warmup([Request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, sps))])
     for i, (p, sp) in enumerate(zip(prompts, sps)):
         want = alone.generate([Request(i, p, sp)])[0]
         got = res[i]
