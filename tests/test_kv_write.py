@@ -268,3 +268,20 @@ def test_kernel_writes_what_xla_writes(dims, dtype, tokens, writer):
     assert g.dtype == w.dtype and g.shape == w.shape
     np.testing.assert_array_equal(_bits(g) if dtype == FP8_DTYPE else np.asarray(g),
                                   _bits(w) if dtype == FP8_DTYPE else np.asarray(w))
+
+
+@pytest.mark.parametrize("dims, dtype", [((128, 128), jnp.bfloat16), ((128, 128), FP8_DTYPE),
+                                         ((192, 128), jnp.bfloat16), ((576,), jnp.bfloat16)],
+                         ids=["bf16", "fp8", "d192-dv128", "latent576"])
+def test_gpu_kernel_lowers_to_triton(dims, dtype):
+  """The GPU kernel's Triton lowering (masks, fp8 scales, split key dims) on any host: what
+  interpret mode does not cover, short of compiling PTX on a GPU."""
+  kvh, num_pages, ps, tokens = 4, 12, 16, 37
+  pages = tuple(jax.ShapeDtypeStruct((kvh, num_pages, ps, d), dtype) for d in dims)
+  new = tuple(jax.ShapeDtypeStruct((tokens, kvh, d), jnp.bfloat16) for d in dims)
+  scales = tuple(jax.ShapeDtypeStruct((kvh,), jnp.float32) if dtype == FP8_DTYPE else None
+                 for _ in dims)
+  fn = jax.jit(lambda p, n, s, sc: write_pages(p, n, s, sc, backend="gpu", interpret=False))
+  text = fn.trace(pages, new, jax.ShapeDtypeStruct((tokens,), jnp.int32), scales).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count('name = "kv_write_gpu"') == 1

@@ -505,3 +505,27 @@ def test_gpu_tiling_errors_name_the_dimension():
   args = make_inputs(case)
   with pytest.raises(ValueError, match="power-of-two page_size"):
     paged_attention(*args, backend="gpu", interpret=True)
+
+
+@pytest.mark.parametrize("batch, q_len, d, dv, kv, sinks", [
+    (1, 1, 128, 128, jnp.bfloat16, False),       # batch-1 decode: KV splits, the combine
+    (64, 4, 128, 128, jnp.bfloat16, False),      # a verify over a full wave: unsplit
+    (64, 1, 128, 128, jnp.float8_e4m3fn, False),  # fp8 pages (the 2-warp tiling), scales
+    (2, 256, 128, 128, jnp.bfloat16, False),     # a prefill chunk: the 128-row tiling
+    (2, 4, 192, 128, jnp.bfloat16, True),        # D 192 (128 + 64), Dv 128, sinks
+], ids=["decode-split", "verify", "fp8", "prefill", "d192-sinks"])
+def test_gpu_kernel_lowers_to_triton(batch, q_len, d, dv, kv, sinks):
+  """The GPU kernel's Triton lowering on any host (the packed-row gather from q, the
+  unpacked stores and the split combine included): what interpret mode does not cover,
+  short of compiling PTX on a GPU."""
+  hq, kvh, ps, width = 32, 8, 16, 64
+  f = jax.ShapeDtypeStruct
+  args = (f((batch, q_len, hq, d), jnp.bfloat16), f((kvh, batch * width, ps, d), kv),
+          f((kvh, batch * width, ps, dv), kv), f((batch, width), jnp.int32),
+          f((batch,), jnp.int32))
+  extra = dict(sinks=f((hq,), jnp.float32) if sinks else None,
+               k_scale=f((kvh,), jnp.float32) if kv != jnp.bfloat16 else None,
+               v_scale=f((kvh,), jnp.float32) if kv != jnp.bfloat16 else None)
+  fn = jax.jit(lambda *a, **kw: paged_attention(*a, **kw, backend="gpu"))
+  text = fn.trace(*args, **extra).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count('name = "paged_attention_gpu"') == 1  # one Triton kernel, no fallback
