@@ -630,6 +630,10 @@ class Programs:
         store = self._store
         return jitted if store is None else Program(jitted, name, store, self._context)
 
+    def _variant(self, sampled: bool) -> Static:
+        """The static config of a program variant: `sampled` False for all-greedy rows."""
+        return self.static if sampled else dataclasses.replace(self.static, sampled=False)
+
     @functools.cache
     def init(self, dtype):
         """The program that makes a fresh state: one compile, where building the state op by
@@ -642,7 +646,7 @@ class Programs:
     def steps(self, kind: int, sampled: bool = True):
         """The multi-step program of one step kind (drafts verified per step); `sampled`
         False: the variant for batches whose rows are all greedy (`Static.sampled`)."""
-        static = self.static if sampled else dataclasses.replace(self.static, sampled=False)
+        static = self._variant(sampled)
 
         def f(params, st, num_steps):
             return run_steps(self._merge(params), static, st, num_steps, kind)
@@ -691,7 +695,7 @@ class Programs:
     def prefill_finish(self, sampled: bool = True):
         """First tokens and drafts of a prefill batch; `sampled` False: the variant for
         batches whose rows are all greedy, as for `steps`."""
-        static = self.static if sampled else dataclasses.replace(self.static, sampled=False)
+        static = self._variant(sampled)
 
         def f(params, st, slots, logits, prompt_len):
             return prefill_finish(self._merge(params), static, st, slots, logits, prompt_len)

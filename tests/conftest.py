@@ -11,6 +11,8 @@ import gc
 import importlib.util
 import os
 
+from cpu_compile import cpu_flags, fewer_collections
+
 _ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12",
                         "jax_plugins.xla_cuda13", "jax_rocm60_plugin", "libtpu")
 
@@ -30,22 +32,15 @@ def _platform_is_cpu() -> bool:
 
 
 if "XLA_FLAGS" not in os.environ and _platform_is_cpu():
-    from cpu_compile import cpu_flags
-
     os.environ["XLA_FLAGS"] = cpu_flags()
 
 # The suite compiles from scratch (a persistent compilation cache would make a test's
 # compile depend on earlier runs); test_generate_cli checks warm starts in its own folder.
 os.environ.setdefault("MTP_JAX_COMPILE_CACHE", "off")
 
-# Tracing and compiling allocate millions of small objects, and a worker keeps engines and
-# their programs alive across a file, so CPython's default thresholds (700, 10, 10) walk a
-# heap of several million objects in full collections again and again: each worker of the
-# suite spent 16-18 s in 36-41 of them. Collecting the young generation every 10k
-# allocations instead: 6-7 s in 7 full collections (tests/scripts/ do the same). Cycles
-# are still collected, and `pytest_runtest_teardown` below still forces one when the
-# process runs short of memory maps.
-gc.set_threshold(10_000, 10, 10)
+# Fewer full garbage collections while the workers compile (`cpu_compile.fewer_collections`;
+# `pytest_runtest_teardown` below still forces one when the process runs short of maps).
+fewer_collections()
 
 
 # Every compiled XLA CPU program maps its kernels' code into the process (three memory

@@ -1,4 +1,5 @@
-"""XLA flags for cheap CPU compiles, for the test processes and the subprocesses they start.
+"""XLA flags for cheap CPU compiles, for the test processes and the subprocesses they start,
+and the garbage-collector thresholds they compile under (`fewer_collections`).
 
 On CPU the tiny test models spend most of their time in XLA compilation, not in running.
 BASE asks for the lowest backend optimization level. On top of it, EXTRA asks for
@@ -14,6 +15,7 @@ workers and the subprocesses the tests start.
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -41,3 +43,15 @@ def cpu_flags() -> str:
             flags = " ".join([BASE] + [f for f in EXTRA if _accepted(f"{BASE} {f}")])
         os.environ[_ENV] = flags
     return os.environ[_ENV]
+
+
+def fewer_collections() -> None:
+    """Garbage-collector thresholds for a process that traces and compiles many programs.
+
+    Tracing and compiling allocate millions of small objects, and a test worker keeps
+    engines and their programs alive across a file, so CPython's default thresholds (700,
+    10, 10) walk a heap of several million objects in full collections again and again:
+    each worker of the suite spent 16-18 s in 36-41 of them. Collecting the young
+    generation every 10k allocations instead: 6-7 s in 7 full collections (an 8-device
+    sharding script: 1.57 -> 0.30 s). Cycles are still collected."""
+    gc.set_threshold(10_000, 10, 10)

@@ -8,7 +8,6 @@ and MTP), whether the engine's greedy outputs equal the plain reference generato
 the shardings the loader produced when it streamed the checkpoint onto the mesh.
 """
 
-import gc
 import json
 import os
 import sys
@@ -20,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from cpu_compile import fewer_collections  # noqa: E402
 from test_moe import moe_model  # noqa: E402
 
 from mtp_jax.checkpoint import load, save_hf, to_flat  # noqa: E402
@@ -30,7 +30,7 @@ from mtp_jax.reference import generate_reference  # noqa: E402
 from mtp_jax.sharding import make_mesh, param_sharding, use_mesh  # noqa: E402
 
 assert len(jax.devices()) == 8, jax.devices()
-gc.set_threshold(10_000, 10, 10)  # fewer full collections while compiling, as conftest.py
+fewer_collections()
 DEEPSEEK = sys.argv[1:] == ["deepseek_v3"]
 if DEEPSEEK:  # 16 experts in 4 groups, 2 shared, 2 dense layers, 4 MLA heads, YaRN
     model = load(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "golden",

@@ -6,7 +6,6 @@ and the orbax restore-into-sharding checks.
 """
 
 import dataclasses
-import gc
 import json
 import os
 import sys
@@ -16,6 +15,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from cpu_compile import fewer_collections  # noqa: E402
 from spec_models import markov_model  # noqa: E402
 
 from mtp_jax.checkpoint import load, save_orbax, to_flat  # noqa: E402
@@ -25,7 +25,7 @@ from mtp_jax.reference import generate_reference  # noqa: E402
 from mtp_jax.sharding import make_mesh, param_sharding, param_spec  # noqa: E402
 
 assert len(jax.devices()) == 8, jax.devices()
-gc.set_threshold(10_000, 10, 10)  # fewer full collections while compiling, as conftest.py
+fewer_collections()
 model = markov_model("mimo", target_noise=0.5, mtp_noise=0.2, vocab=64, seed=1)
 rng = np.random.default_rng(3)
 prompts = [rng.integers(0, 64, size=n).tolist() for n in (3, 9, 17, 30)]
