@@ -46,12 +46,12 @@ def _program_span(x_ref, block_m, num_k, num_splits):
 
 
 def _kernel(x_ref, v_ref, s_ref, o_ref, *, block_m, block_k, group_chunks, num_k,
-            num_splits, int8_asm=False):
+            num_splits):
   rows, begin, end = _program_span(x_ref, block_m, num_k, num_splits)
   block_n = o_ref.shape[-1]
   precision = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
   per_chunk_scale = s_ref.shape[0] > 1
-  half = int8_asm or f16_dot(x_ref.dtype, v_ref.dtype, s_ref.shape[0])
+  half = f16_dot(x_ref.dtype, v_ref.dtype, s_ref.shape[0])
   if half:
     # A power of two per row (and split) that brings the row's largest |x| to 2^14:
     # x / row_scale is exact and inside float16's range.
@@ -67,8 +67,7 @@ def _kernel(x_ref, v_ref, s_ref, o_ref, *, block_m, block_k, group_chunks, num_k
     xb = x_ref[rows, pl.ds(k0, block_k)]
     if half:  # fp8 -> f16 is one packed conversion; -> bf16 goes through f32
       xb = (xb.astype(jnp.float32) * inv_scale[:, None]).astype(jnp.float16)
-    vb = v_ref[pl.ds(k0, block_k), :]                     # 1 byte read, exact convert
-    vb = int8_to_f16(vb) if int8_asm else vb.astype(xb.dtype)
+    vb = v_ref[pl.ds(k0, block_k), :].astype(xb.dtype)    # 1 byte read, exact convert
     part = lax.dot_general(xb, vb, (((1,), (0,)), ((), ())), precision=precision,
                            preferred_element_type=jnp.float32)
     if per_chunk_scale:
@@ -94,50 +93,6 @@ def f16_dot(x_dtype, v_dtype, scale_rows: int) -> bool:
           and jnp.dtype(v_dtype) in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)))
 
 
-# int8 -> float16, four at a time, without a conversion instruction: the bytes biased to
-# unsigned (xor 0x80) are placed under the f16 exponent of 1024 (0x64 high bytes: 1024 + u
-# is exact, f16 has 10 mantissa bits), and 1024 + 128 is subtracted from both halves.
-_INT8_TO_F16 = """{
-.reg .b32 t, m;
-xor.b32 t, $2, 0x80808080;
-prmt.b32 $0, t, 0x64646464, 0x4140;
-prmt.b32 $1, t, 0x64646464, 0x4342;
-mov.b32 m, 0x64806480;
-sub.f16x2 $0, $0, m;
-sub.f16x2 $1, $1, m;
-}"""
-
-
-def int8_to_f16(v):
-  """int8 -> float16 through byte permutes (PTX inline assembly; exact for all 256)."""
-  [out] = pltriton.elementwise_inline_asm(
-      _INT8_TO_F16, args=[v], constraints="=r,=r,r", pack=4,
-      result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, jnp.float16)])
-  return out
-
-
-_INT8_TO_F32 = """{
-.reg .b32 t;
-xor.b32 t, $4, 0x80808080;
-prmt.b32 $0, t, 0x4B000000, 0x7440;
-prmt.b32 $1, t, 0x4B000000, 0x7441;
-prmt.b32 $2, t, 0x4B000000, 0x7442;
-prmt.b32 $3, t, 0x4B000000, 0x7443;
-sub.f32 $0, $0, 0f4B000080;
-sub.f32 $1, $1, 0f4B000080;
-sub.f32 $2, $2, 0f4B000080;
-sub.f32 $3, $3, 0f4B000080;
-}"""
-
-
-def int8_to_f32(v):
-  """int8 -> float32 through byte permutes under the exponent of 2^23 (inline PTX)."""
-  [out] = pltriton.elementwise_inline_asm(
-      _INT8_TO_F32, args=[v], constraints="=f,=f,=f,=f,r", pack=4,
-      result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, jnp.float32)])
-  return out
-
-
 def widen(v, dtype):
   """1-byte weights to `dtype`, exactly, for the CUDA-core path. int8 skips the
   int-to-float conversion instruction (I2F, 16 results per clock per SM on recent NVIDIA
@@ -155,7 +110,7 @@ def widen(v, dtype):
 
 
 def _gemv_kernel(x_ref, v_ref, s_ref, o_ref, *, block_m, block_k, group_chunks, num_k,
-                 num_splits, int8_asm=False):
+                 num_splits):
   """block_m <= GEMV_MAX_ROWS rows on CUDA cores: no tensor-core tile, so no 16-row
   padding and no operand layout change. One row keeps a [block_k, block_n] f32
   accumulator of products and reduces it over K once, after the loop; a few rows reduce
@@ -166,8 +121,7 @@ def _gemv_kernel(x_ref, v_ref, s_ref, o_ref, *, block_m, block_k, group_chunks, 
 
   def body(c, acc):
     k0 = pl.multiple_of(c * block_k, block_k)
-    vb = v_ref[pl.ds(k0, block_k), :]
-    w = int8_to_f32(vb) if int8_asm else widen(vb, jnp.float32)  # 1 byte read, exact
+    w = widen(v_ref[pl.ds(k0, block_k), :], jnp.float32)       # 1 byte read, exact
     if per_chunk_scale:
       w = w * s_ref[c // group_chunks, :][None, :]
     xb = x_ref[rows, pl.ds(k0, block_k)].astype(jnp.float32)   # [block_m, block_k]
@@ -204,7 +158,7 @@ def check_blocks(k, n, s, block):
                      "two scale blocks).")
 
 
-def quant_matmul_gpu(x, values, scale, *, block, interpret, int8_asm=False):
+def quant_matmul_gpu(x, values, scale, *, block, interpret):
   """x [M, K], values [K, N] 1-byte, scale [S, N] f32 -> [M, N] in x.dtype."""
   (m, k), (s, n) = x.shape, scale.shape
   check_blocks(k, n, s, block)
@@ -216,8 +170,6 @@ def quant_matmul_gpu(x, values, scale, *, block, interpret, int8_asm=False):
   kernel = functools.partial(_gemv_kernel if bm < 16 else _kernel, block_m=bm,
                              block_k=chunk, group_chunks=bk // chunk, num_k=num_k,
                              num_splits=splits)
-  if int8_asm:
-    kernel = functools.partial(kernel, int8_asm=True)
   in_specs = [
       pl.BlockSpec((m, k), lambda i, j, sp: (0, 0)),
       pl.BlockSpec((k, bn), lambda i, j, sp: (0, j)),
