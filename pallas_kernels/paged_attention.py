@@ -200,6 +200,20 @@ def tile_kv_range(tile, *, kv_len, rows_per_block, q_len, group, window, kv_capa
   return lo, hi
 
 
+def tile_full_range(tile, *, kv_len, rows_per_block, q_len, group, window, kv_capacity):
+  """[lo, hi): the kv positions seen by every row of a row tile (kernel helper, scalars;
+  hi <= lo when none is). Blocks inside it need no mask: every (row, position) pair of
+  them takes part. Padding rows repeat the last query, so the tile's first row bounds hi
+  and its last query bounds lo."""
+  first = jnp.minimum(lax.div(tile * rows_per_block, group), q_len - 1)
+  last = jnp.minimum(lax.div(tile * rows_per_block + rows_per_block - 1, group), q_len - 1)
+  hi = jnp.clip(kv_len - q_len + first + 1, 0, kv_capacity)
+  lo = jnp.zeros_like(hi)
+  if window is not None:
+    lo = jnp.clip(kv_len - q_len + last + 1 - window, 0, kv_capacity)
+  return lo, hi
+
+
 def _resolve_backend(backend):
   return resolve_backend(backend, BACKEND_ENV_VAR, "paged-attention")
 

@@ -9,10 +9,12 @@ and, unsplit, stores its output rows straight back into that layout: the packing
 XLA transposes, pads or slices around the kernel (on an H100 they were 4-6 us a layer
 in a decode step and 34 us a prefill chunk of 8 x 256 tokens). It
 reads its pages through the block table inside the kernel (no XLA gather of the KV),
-`pages_per_block` pages at a time, and runs an online softmax over them. With more than
-one split (flash-decoding) each program covers a contiguous share of the row's visible
-pages and writes a normalised partial output plus its log-sum-exp; `combine_splits`
-merges them. The share is computed from the actual kv_len, so short rows do not leave
+`pages_per_block` pages at a time, and runs an online softmax over them. Blocks that
+every row of the tile sees in full (all but the causal diagonal, a window's first blocks
+and a partial last page) run in a loop of their own with no masks on their loads or
+logits. With more than one split (flash-decoding) each program covers a contiguous share
+of the row's visible pages and writes a normalised partial output plus its log-sum-exp;
+`combine_splits` merges them. The share is computed from the actual kv_len, so short rows do not leave
 programs idle behind long ones. A sink enters split 0's initial softmax state only, so
 the combine counts it once.
 
@@ -40,8 +42,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.paged_attention import (MASK_VALUE, tile_kv_range, unpack_rows,
-                                            visible_mask)
+from pallas_kernels.paged_attention import (MASK_VALUE, tile_full_range, tile_kv_range,
+                                            unpack_rows, visible_mask)
 
 
 def dim_tile(n: int) -> int:
@@ -129,20 +131,23 @@ def _kernel(kv_lens_ref, bt_ref, scale_ref, q_ref, k_ref, v_ref, *refs, sm_scale
   row_page = lax.div(jnp.arange(block_k, dtype=jnp.int32), page_size)
   precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
 
-  def gather(ref, pages, pos0, start, width, tile_w):
+  def gather(ref, pages, pos0, start, width, tile_w, masked):
     kv_row, slot_idx, dim_idx = idx[tile_w]
     # Slots outside [lo, hi) are seen by no row of this tile and may hold anything (NaN
     # included): the masked load reads zeros there (and skips the memory traffic), so
-    # 0 * NaN never reaches the accumulator. Padding columns read as zeros too.
-    mask = (pos0 + kv_row >= lo) & (pos0 + kv_row < hi)
+    # 0 * NaN never reaches the accumulator. Padding columns read as zeros too. A block
+    # inside every row's range needs neither.
+    mask = ((pos0 + kv_row >= lo) & (pos0 + kv_row < hi)) if masked else None
     if tile_w != width:
-      mask &= dim_idx < width
+      cols = dim_idx < width
+      mask = cols if mask is None else mask & cols
     # Whole-array indices (no slices): the interpreter's masked load needs them.
     at = (jnp.broadcast_to(pages[:, None], kv_row.shape), slot_idx, start + dim_idx)
     # fp8 pages: to the compute dtype right after the load (exact for e4m3 values).
-    return pltriton.load(ref.at[at], mask=mask, other=0.0).astype(compute)
+    return pltriton.load(ref.at[at], mask=mask, other=None if mask is None else 0.0
+                         ).astype(compute)
 
-  def body(j, carry):
+  def body(j, carry, masked):
     acc, m_prev, l_prev = carry
     page0 = first_page + j * pages_per_block
     pos0 = page0 * page_size
@@ -150,20 +155,23 @@ def _kernel(kv_lens_ref, bt_ref, scale_ref, q_ref, k_ref, v_ref, *refs, sm_scale
     pages = bt_ref[jnp.minimum(page0 + row_page, max_pages - 1)]
     s = None
     for q_part, part in zip(q_parts, k_parts):
-      k = gather(k_ref, pages, pos0, *part)
+      k = gather(k_ref, pages, pos0, *part, masked)
       s_part = lax.dot_general(q_part, k, (((1,), (1,)), ((), ())), precision=precision,
                                preferred_element_type=jnp.float32)
       s = s_part if s is None else s + s_part
-    v = gather(v_ref, pages, pos0, *v_part)
+    v = gather(v_ref, pages, pos0, *v_part, masked)
     s = s * logit_scale
     if soft_cap is not None:
       s = soft_cap * jnp.tanh(s / soft_cap)
-    mask = visible_mask(row, pos0 + col, kv_len=kv_len, q_len=q_len, group=group,
-                        window=window, kv_capacity=kv_capacity)
-    s = jnp.where(mask, s, MASK_VALUE)
+    if masked:
+      mask = visible_mask(row, pos0 + col, kv_len=kv_len, q_len=q_len, group=group,
+                          window=window, kv_capacity=kv_capacity)
+      s = jnp.where(mask, s, MASK_VALUE)
     m_next = jnp.maximum(m_prev, s.max(axis=1))
     alpha = jnp.exp(m_prev - m_next)
-    p = jnp.where(mask, jnp.exp(s - m_next[:, None]), 0.0)
+    p = jnp.exp(s - m_next[:, None])
+    if masked:
+      p = jnp.where(mask, p, 0.0)
     pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                          precision=precision, preferred_element_type=jnp.float32)
     return acc * alpha[:, None] + pv, m_next, l_prev * alpha + p.sum(axis=1)
@@ -181,7 +189,20 @@ def _kernel(kv_lens_ref, bt_ref, scale_ref, q_ref, k_ref, v_ref, *refs, sm_scale
       m, l = m_sink, l_sink
     else:
       m, l = jnp.where(split == 0, m_sink, m), jnp.where(split == 0, l_sink, l)
-  acc, m, l = lax.fori_loop(begin, end, body, (acc, m, l))
+  # Blocks every row of the tile sees in full run without masks; the blocks at the
+  # edges (the causal diagonal, the window's start, the last partial page) with them.
+  full_lo, full_hi = tile_full_range(tile, kv_len=kv_len, rows_per_block=rows, q_len=q_len,
+                                     group=group, window=window, kv_capacity=kv_capacity)
+  first_pos = first_page * page_size
+  inner_lo = jnp.clip(lax.div(jnp.maximum(full_lo - first_pos, 0) + block_k - 1, block_k),
+                      begin, end)
+  inner_hi = jnp.clip(lax.div(jnp.maximum(full_hi - first_pos, 0), block_k), inner_lo, end)
+  masked_body = functools.partial(body, masked=True)
+  carry = (acc, m, l)
+  if window is not None:  # only a window masks blocks before the interior
+    carry = lax.fori_loop(begin, inner_lo, masked_body, carry)
+  carry = lax.fori_loop(inner_lo, inner_hi, functools.partial(body, masked=False), carry)
+  acc, m, l = lax.fori_loop(inner_hi, end, masked_body, carry)
 
   if num_splits == 1:  # straight into the unpacked output's rows
     (o_ref,) = out_refs
