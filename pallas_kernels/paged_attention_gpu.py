@@ -46,6 +46,10 @@ from pallas_kernels.paged_attention import (MASK_VALUE, tile_full_range, tile_kv
                                             unpack_rows, visible_mask)
 
 
+LOG2E = 1.4426950408889634  # log2(e): logits in base 2
+LN2 = 0.6931471805599453  # ln(2): a base-2 running max back to natural log units
+
+
 def dim_tile(n: int) -> int:
   """Tile width for a head-dim part of width n: a power of two >= 16 (Triton tiles are
   powers of two; tensor-core dots need >= 16). Columns past n are masked-load zeros."""
@@ -97,7 +101,9 @@ def _kernel(kv_lens_ref, bt_ref, scale_ref, q_ref, k_ref, v_ref, *refs, sm_scale
   block_k = pages_per_block * page_size
   kv_capacity = max_pages * page_size
   kv_len = kv_lens_ref[0]
-  # This kv head's scales: k_scale joins the logit scale, v_scale the output.
+  # This kv head's scales: k_scale joins the logit scale, v_scale the output. The softmax
+  # runs in base 2 (one ex2 per logit rather than expf's range reduction): logits times
+  # log2(e), the running max in that unit; the sums are the same in either base.
   logit_scale = sm_scale * scale_ref[0]
   v_scale = scale_ref[1]
 
@@ -160,16 +166,17 @@ def _kernel(kv_lens_ref, bt_ref, scale_ref, q_ref, k_ref, v_ref, *refs, sm_scale
                                preferred_element_type=jnp.float32)
       s = s_part if s is None else s + s_part
     v = gather(v_ref, pages, pos0, *v_part, masked)
-    s = s * logit_scale
-    if soft_cap is not None:
-      s = soft_cap * jnp.tanh(s / soft_cap)
+    if soft_cap is None:
+      s = s * (logit_scale * LOG2E)
+    else:
+      s = soft_cap * jnp.tanh(s * logit_scale / soft_cap) * LOG2E
     if masked:
       mask = visible_mask(row, pos0 + col, kv_len=kv_len, q_len=q_len, group=group,
                           window=window, kv_capacity=kv_capacity)
       s = jnp.where(mask, s, MASK_VALUE)
     m_next = jnp.maximum(m_prev, s.max(axis=1))
-    alpha = jnp.exp(m_prev - m_next)
-    p = jnp.exp(s - m_next[:, None])
+    alpha = jnp.exp2(m_prev - m_next)
+    p = jnp.exp2(s - m_next[:, None])
     if masked:
       p = jnp.where(mask, p, 0.0)
     pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
@@ -182,9 +189,9 @@ def _kernel(kv_lens_ref, bt_ref, scale_ref, q_ref, k_ref, v_ref, *refs, sm_scale
   if has_sinks:
     # The sink as a zero-value column processed first: max s, sum e^(s - s) = 1 (0 for
     # s = -inf). Split 0 only, so the combine counts it once.
-    sink = sink_ref[...]
+    sink = sink_ref[...] * LOG2E
     m_sink = jnp.maximum(sink, MASK_VALUE)
-    l_sink = jnp.exp(sink - m_sink)
+    l_sink = jnp.exp2(sink - m_sink)
     if num_splits == 1:
       m, l = m_sink, l_sink
     else:
@@ -211,7 +218,7 @@ def _kernel(kv_lens_ref, bt_ref, scale_ref, q_ref, k_ref, v_ref, *refs, sm_scale
     at = (jnp.broadcast_to(q_at[:, None], shape), lax.broadcasted_iota(jnp.int32, shape, 1))
     pltriton.store(o_ref.at[at], out.astype(o_ref.dtype), mask=q_valid[:, None])
   else:
-    store_rows(out_refs, acc, m, l, v_scale)
+    store_rows(out_refs, acc, m * LN2, l, v_scale)
 
 
 def normalised(acc, l, v_scale=None):

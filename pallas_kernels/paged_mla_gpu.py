@@ -48,7 +48,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.paged_attention import MASK_VALUE, tile_kv_range, visible_mask
+from pallas_kernels.paged_attention import (MASK_VALUE, tile_full_range, tile_kv_range,
+                                            visible_mask)
 from pallas_kernels.paged_attention_gpu import combine_splits, store_rows
 from pallas_kernels.paged_mla import gpu_dim_tile
 
@@ -96,10 +97,10 @@ def _kernel(kv_lens_ref, bt_ref, q_ref, kv_ref, *out_refs, sm_scale, q_len, num_
 
   # Causal: the tile's visible range starts at 0; hi is its last row's end. Blocks below
   # its first row's end are seen whole by every row and skip all masking.
-  _, hi = tile_kv_range(tile, kv_len=kv_len, rows_per_block=rows, q_len=q_len,
-                        group=num_heads, window=None, kv_capacity=kv_capacity)
-  first_query = jnp.minimum(lax.div(tile * rows, num_heads), q_len - 1)
-  full_end = jnp.clip(kv_len - q_len + first_query + 1, 0, kv_capacity)
+  ranges = dict(kv_len=kv_len, rows_per_block=rows, q_len=q_len, group=num_heads,
+                window=None, kv_capacity=kv_capacity)
+  _, hi = tile_kv_range(tile, **ranges)
+  _, full_end = tile_full_range(tile, **ranges)
   num_blocks = lax.div(hi + block_k - 1, block_k)
   full_blocks = lax.div(full_end, block_k)
   per_split = lax.div(num_blocks + num_splits - 1, num_splits)
