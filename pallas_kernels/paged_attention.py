@@ -129,7 +129,8 @@ def default_block_config(batch, q_len, num_q_heads, num_kv_heads, page_size, max
   203-207 us, Q=1 and Q=4 alike); B=16 (128 programs) 37-39 us with 3 splits, 38.5-39
   unsplit; B=8 (64) 17 us with 5 splits, 25 unsplit.
   Prefill chunks (at least 32 query tokens and 128 packed rows): 128-row tiles over 64 kv
-  positions, 4 warps, no split: the grid has programs enough, and the tile's dots are large.
+  positions, 4 warps, 3 stages, no split: the grid has programs enough, and the tile's dots
+  are large.
   fp8 pages (`kv_dtype`) in 16-row tiles with 2.5 or more programs an SM: 64 kv positions,
   2 warps, 3 stages (H100, Hq 32 / KVH 8, 4k context: B=64 220 against 232 us, B=48 201
   against 213; B=64 x 1k 66 against 71. With fewer programs the 2-warp tiling lost: B=32 x
@@ -145,7 +146,8 @@ def default_block_config(batch, q_len, num_q_heads, num_kv_heads, page_size, max
   # group keeps decode's KV splits): 128-row tiles over 64 kv positions, 4 warps. H100,
   # 8 x 256-token chunks, Hq 32 / KVH 8, D 128, bf16, the chunk ending at 1k / 4k
   # positions: 149 / 229 TFLOP/s against 96 / 122 with the decode tiling below
-  # (launch/bench_prefill_attention.py, docs/BENCHMARKS.md).
+  # (launch/bench_prefill_attention.py, docs/BENCHMARKS.md). With the unmasked interior
+  # blocks, 3 stages over 2: H200, 234 / 355 against 224 / 334 TFLOP/s.
   def pages_for(positions):  # kv positions a block, within the table, block_k >= 16
     pages = min(max(1, positions // page_size), next_pow2(max_pages))
     return max(pages, next_pow2(-(-16 // page_size)))
@@ -154,7 +156,7 @@ def default_block_config(batch, q_len, num_q_heads, num_kv_heads, page_size, max
   pages_per_block = pages_for(64 if prefill else 128)
   if prefill:
     return BlockConfig(pages_per_block=pages_per_block, num_splits=1, rows_per_block=128,
-                       num_warps=4, num_stages=2)
+                       num_warps=4, num_stages=3)
   rows_per_block = min(max(next_pow2(rows), 16), 64)
   programs = batch * num_kv_heads * -(-rows // rows_per_block)
   if num_cores is None:
