@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.paged_attention import (
-    BlockConfig, default_block_config, paged_attention, paged_attention_reference)
+    BlockConfig, default_block_config, paged_attention, paged_attention_reference,
+    tile_full_range, tile_kv_range, visible_mask)
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 FP8 = jnp.float8_e4m3fn
@@ -344,6 +345,31 @@ def test_gpu_default_fp8_pages_take_two_warps_from_2_5_programs_an_sm():
   assert cfg(64, jnp.bfloat16) == cfg(64, None)  # bf16 pages keep theirs
   assert cfg(41, FP8) == cfg(41, None)  # 328 programs: fewer than 2.5 an SM
   assert cfg(64, FP8, q_len=32) == cfg(64, None, q_len=32)  # a prefill chunk's tiling
+
+
+@pytest.mark.parametrize("q_len,group,rows,window", [
+    (1, 4, 16, None), (4, 4, 16, None), (4, 4, 16, 20), (256, 4, 128, None),
+    (64, 1, 64, 32), (8, 1, 16, 5), (2, 8, 16, 6)])
+def test_tile_ranges_match_the_mask(q_len, group, rows, window):
+  """[lo, hi) of tile_kv_range holds every position some row of the tile sees, and that of
+  tile_full_range exactly the positions every row sees: the kernels read the first range
+  with masks and run blocks inside the second without any."""
+  capacity = 96
+  tiles = -(-q_len * group // rows)
+  pos = np.arange(capacity + 8)
+  for kv_len in (0, 1, q_len - 1, q_len, q_len + 7, 50, capacity, capacity + 5):
+    for tile in range(tiles):
+      row = tile * rows + np.arange(rows)
+      seen = np.asarray(visible_mask(row[:, None], pos[None, :], kv_len=kv_len, q_len=q_len,
+                                     group=group, window=window, kv_capacity=capacity))
+      kw = dict(kv_len=kv_len, rows_per_block=rows, q_len=q_len, group=group, window=window,
+                kv_capacity=capacity)
+      lo, hi = (int(x) for x in tile_kv_range(tile, **kw))
+      some = np.flatnonzero(seen.any(axis=0))
+      assert ((some >= lo) & (some < hi)).all(), (kv_len, tile, lo, hi)
+      lo, hi = (int(x) for x in tile_full_range(tile, **kw))
+      every = np.flatnonzero(seen.all(axis=0))
+      assert every.tolist() == list(range(lo, hi)), (kv_len, tile, lo, hi, every)
 
 
 def test_backend_dispatch(monkeypatch):
