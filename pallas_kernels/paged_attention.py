@@ -190,30 +190,38 @@ def visible_mask(row, pos, *, kv_len, q_len, group, window, kv_capacity):
   return mask
 
 
-def tile_kv_range(tile, *, kv_len, rows_per_block, q_len, group, window, kv_capacity):
-  """[lo, hi): the kv positions seen by any row of a row tile (kernel helper, scalars)."""
-  # All operands are non-negative, so lax.div is floor division.
+def _tile_queries(tile, rows_per_block, group, q_len):
+  """The first and last query of a row tile's packed rows (padding rows repeat the last
+  query). All operands are non-negative, so lax.div is floor division."""
   first = jnp.minimum(lax.div(tile * rows_per_block, group), q_len - 1)
   last = jnp.minimum(lax.div(tile * rows_per_block + rows_per_block - 1, group), q_len - 1)
-  hi = jnp.clip(kv_len - q_len + last + 1, 0, kv_capacity)
+  return first, last
+
+
+def _kv_range(start_query, end_query, *, kv_len, q_len, window, kv_capacity):
+  """[lo, hi): from the first kv position `start_query` sees (its window's start) to the
+  end of what `end_query` sees; lo <= hi."""
+  hi = jnp.clip(kv_len - q_len + end_query + 1, 0, kv_capacity)
   lo = jnp.zeros_like(hi)
   if window is not None:
-    lo = jnp.clip(kv_len - q_len + first + 1 - window, 0, hi)
+    lo = jnp.clip(kv_len - q_len + start_query + 1 - window, 0, hi)
   return lo, hi
+
+
+def tile_kv_range(tile, *, kv_len, rows_per_block, q_len, group, window, kv_capacity):
+  """[lo, hi): the kv positions seen by any row of a row tile (kernel helper, scalars)."""
+  first, last = _tile_queries(tile, rows_per_block, group, q_len)
+  return _kv_range(first, last, kv_len=kv_len, q_len=q_len, window=window,
+                   kv_capacity=kv_capacity)
 
 
 def tile_full_range(tile, *, kv_len, rows_per_block, q_len, group, window, kv_capacity):
   """[lo, hi): the kv positions seen by every row of a row tile (kernel helper, scalars;
-  hi <= lo when none is). Blocks inside it need no mask: every (row, position) pair of
-  them takes part. Padding rows repeat the last query, so the tile's first row bounds hi
-  and its last query bounds lo."""
-  first = jnp.minimum(lax.div(tile * rows_per_block, group), q_len - 1)
-  last = jnp.minimum(lax.div(tile * rows_per_block + rows_per_block - 1, group), q_len - 1)
-  hi = jnp.clip(kv_len - q_len + first + 1, 0, kv_capacity)
-  lo = jnp.zeros_like(hi)
-  if window is not None:
-    lo = jnp.clip(kv_len - q_len + last + 1 - window, 0, kv_capacity)
-  return lo, hi
+  empty when none is). Blocks inside it need no mask: every (row, position) pair of them
+  takes part. The tile's first query bounds hi, its last one lo."""
+  first, last = _tile_queries(tile, rows_per_block, group, q_len)
+  return _kv_range(last, first, kv_len=kv_len, q_len=q_len, window=window,
+                   kv_capacity=kv_capacity)
 
 
 def _resolve_backend(backend):
