@@ -14,9 +14,9 @@ every row of the tile sees in full (all but the causal diagonal, a window's firs
 and a partial last page) run in a loop of their own with no masks on their loads or
 logits. With more than one split (flash-decoding) each program covers a contiguous share
 of the row's visible pages and writes a normalised partial output plus its log-sum-exp;
-`combine_splits` merges them. The share is computed from the actual kv_len, so short rows do not leave
-programs idle behind long ones. A sink enters split 0's initial softmax state only, so
-the combine counts it once.
+`combine_splits` merges them. The share is computed from the actual kv_len, so short
+rows do not leave programs idle behind long ones. A sink enters split 0's initial softmax
+state only, so the combine counts it once.
 
 K and V are gathered as 2-D [block_k, width] masked loads with one table entry per row.
 Gathering [pages, page_size, D] and reshaping to [block_k, D] computes the same thing,
