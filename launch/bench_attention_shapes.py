@@ -28,8 +28,9 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_paged_attention import (HQ, D, fp8_inputs, make_inputs, ours, scaled,  # noqa: E402
+from bench_paged_attention import (fp8_inputs, make_inputs, ours, scaled,  # noqa: E402
                                    time_per_call)
+from bench_prefill_attention import causal_flops  # noqa: E402
 
 # (name, batch, ctx, queries per row, pages)
 SHAPES = [("prefill 8 x 256 @ 1024", 8, 1024, 256, "bf16"),
@@ -42,11 +43,6 @@ SHAPES = [("prefill 8 x 256 @ 1024", 8, 1024, 256, "bf16"),
           ("decode B 1 x 1k, Q 1", 1, 1024, 1, "bf16")]
 TINY_SHAPES = [("prefill 2 x 32 @ 64", 2, 64, 32, "bf16"),
                ("decode B 2 x 64, Q 1", 2, 64, 1, "fp8")]
-
-
-def causal_flops(batch, ctx, q_len):
-    """q . k and p . v over what each query sees (the last q_len positions of ctx)."""
-    return 4 * batch * HQ * D * sum(ctx - q_len + i + 1 for i in range(q_len))
 
 
 def main(argv=None):
@@ -69,7 +65,7 @@ def main(argv=None):
         line = dict(tag=args.tag, shape=name, kv=kv, best_us=best * 1e6,
                     median_us=median * 1e6)
         if q_len > 16:
-            line["tflop_per_s"] = causal_flops(batch, ctx, q_len) / best / 1e12
+            line["tflop_per_s"] = causal_flops(batch, q_len, ctx) / best / 1e12
         print(json.dumps(line), flush=True)
         if out:
             with open(os.path.join(out, "bench_attention_shapes.jsonl"), "a") as f:
