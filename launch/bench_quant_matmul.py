@@ -10,7 +10,10 @@ and adds fused QKV 4096x6144 and lm_head 4096x151680. M in {1, 4, 16, 64} rows.
 Candidates: the bf16 XLA dot; int8 and fp8 (e4m3) per-channel weights (S = 1) and fp8
 block-scaled weights (128-row K blocks, S = K / 128) through the reference path (XLA, the
 convert fused into the dot where XLA does so) and through the Pallas GPU kernel (default
-block config, printed in the table). --sweep adds a few other kernel configs.
+block config, printed in the table). --sweep adds a few other kernel configs, and at
+M = 1 the same CUDA-core GEMV kernel over the bf16 weights themselves (scale 1; a
+measurement only: bf16 products run on XLA's dot): whether a GEMV of our own, the base of
+any prologue / epilogue fusion, streams bf16 weights as fast as XLA's does.
 
 Timing: many calls inside one jitted fori_loop with a static trip count, each iteration
 calling once per weight copy (several distinct copies, together >= 128 MiB of 1-byte
@@ -52,7 +55,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_paged_attention as paged_attention_bench  # noqa: E402
 
 from pallas_kernels.quant_matmul import (  # noqa: E402
-    default_block_config, quant_matmul, quant_matmul_reference)
+    BlockConfig, default_block_config, quant_matmul, quant_matmul_reference)
+from pallas_kernels.quant_matmul_gpu import quant_matmul_gpu  # noqa: E402
 
 SHAPES = (("qkv Llama-2-7B", 4096, 12288), ("qkv MiMo-7B", 4096, 6144),
           ("o_proj both", 4096, 4096), ("gate_up both", 4096, 22016),
@@ -127,10 +131,34 @@ def config_label(c):
           f"st{c.num_stages}")
 
 
+def bf16_gemv_configs(k, n, num_cores=None):
+  """One-row CUDA-core configs for bf16 weights: chunks of 8 or 16 KB (128 x 32 and 256 x
+  16 with 8 warps, 64 x 128 with 4), K splits for one and for three waves of programs."""
+  if num_cores is None:
+    num_cores = getattr(jax.devices()[0], "core_count", None) or 132
+  out = []
+  for bn, bk, warps in ((128, 32, 8), (256, 16, 8), (64, 128, 4)):
+    if n % bn or k % bk:
+      continue
+    for waves in (1, 3):
+      splits = max(1, min(-(-waves * num_cores // (n // bn)), k // bk // 2, 64))
+      c = BlockConfig(block_m=1, block_n=bn, block_k=bk, num_splits=splits,
+                      num_warps=warps, num_stages=4)
+      if c not in out:
+        out.append(c)
+  return out
+
+
 def candidates(scheme, m, k, n, s, tiny, sweep):
   """[(name, fn(x, w, scale), config label or '')] for one weight scheme."""
   if scheme == "bf16":
-    return [("bf16 XLA dot", bf16_dot, "")]
+    out = [("bf16 XLA dot", bf16_dot, "")]
+    if sweep and m == 1:
+      out += [(f"bf16 Pallas GEMV ({config_label(c)})",
+               lambda x, w, sc, c=c: quant_matmul_gpu(
+                   x, w, jnp.ones((1, w.shape[1]), jnp.float32), block=c, interpret=tiny),
+               config_label(c)) for c in bf16_gemv_configs(k, n, 132 if tiny else None)]
+    return out
   out = [(f"{scheme} XLA", lambda x, w, sc: quant_matmul_reference(x, w, sc), "")]
   values_dtype = jnp.int8 if scheme.startswith("int8") else jnp.float8_e4m3fn
   d = default_block_config(m, k, n, s, "gpu", num_cores=132 if tiny else None,
@@ -214,6 +242,8 @@ def main(argv=None):
   ap.add_argument("--shapes", help="comma-separated shape-name prefixes, e.g. o_proj,down")
   ap.add_argument("--reps", type=int, default=None)
   ap.add_argument("--sweep", action="store_true", help="time a few more kernel configs")
+  ap.add_argument("--schemes", help="comma-separated weight schemes (default all: "
+                  + ", ".join(SCHEMES) + ")")
   ap.add_argument("--budget-s", type=float, default=None,
                   help="stop timing new rows after this many seconds")
   ap.add_argument("--json", help="JSON path (default $OUT/bench_quant_matmul.json)")
@@ -223,6 +253,10 @@ def main(argv=None):
   reps = opts.reps or (2 if opts.tiny else 3)
   shapes = [sh for sh in p["shapes"]
             if not opts.shapes or any(sh[0].startswith(w) for w in opts.shapes.split(","))]
+  schemes = [v.strip() for v in opts.schemes.split(",")] if opts.schemes else list(SCHEMES)
+  unknown = [v for v in schemes if v not in SCHEMES]
+  if unknown:
+    ap.error(f"unknown --schemes {unknown}; known: {', '.join(SCHEMES)}")
   start = time.perf_counter()
   dev = jax.devices()[0]
   header = (f"device: {dev.device_kind}; jax {jax.__version__}; python "
@@ -244,7 +278,7 @@ def main(argv=None):
       nsets = sets_for(k, n, p)
       key, kx = jax.random.split(key)
       x = jax.random.normal(kx, (m, k), jnp.bfloat16)
-      for scheme in SCHEMES:
+      for scheme in schemes:
         s = k // p["block"] if scheme.endswith("block") else 1
         cands = candidates(scheme, m, k, n, s, opts.tiny, opts.sweep)
         over = opts.budget_s is not None and time.perf_counter() - start > opts.budget_s
