@@ -13,7 +13,11 @@ run the script under each (`PYTHONPATH=<tree>`) in the same device call and alte
 them; launch/bench_paged_attention.py and launch/bench_prefill_attention.py hold the
 full tables and tiling sweeps. With $OUT set, appends the lines to
 $OUT/bench_attention_shapes.jsonl. --tiny: a CPU smoke run in interpret mode, small
-shapes (figures mean nothing).
+shapes (figures mean nothing). --match / --kv keep only the shapes whose name contains
+the text / whose pages are of that kind, e.g. one kernel under a profiler:
+
+  ncu --kernel-name regex:paged_attention --launch-skip 2 --launch-count 1 \
+      python launch/bench_attention_shapes.py --match "decode B 64 x 4k" --kv fp8 --reps 1
 """
 
 from __future__ import annotations
@@ -50,13 +54,19 @@ def main(argv=None):
     ap.add_argument("--tag", default="", help="names this tree in the output lines")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--match", default="", help="only shapes whose name contains this")
+    ap.add_argument("--kv", choices=("bf16", "fp8"), help="only shapes with these pages")
     args = ap.parse_args(argv)
+    shapes = [s for s in (TINY_SHAPES if args.tiny else SHAPES)
+              if args.match in s[0] and args.kv in (None, s[4])]
+    if not shapes:
+        ap.error(f"no shape matches --match {args.match!r} --kv {args.kv}")
     import pallas_kernels
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, kernels from "
           f"{os.path.dirname(pallas_kernels.__file__)}", flush=True)
     out = os.environ.get("OUT")
     key = jax.random.key(0)
-    for name, batch, ctx, q_len, kv in TINY_SHAPES if args.tiny else SHAPES:
+    for name, batch, ctx, q_len, kv in shapes:
         inputs, fn = make_inputs(batch, ctx, q_len, key), ours(interpret=args.tiny)
         if kv == "fp8":
             inputs, fn = fp8_inputs(inputs), scaled(fn)
