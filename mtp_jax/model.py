@@ -35,8 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallas_kernels.swiglu_matmul import swiglu_matmul, use_kernel as swiglu_kernel_rows
+
 from .config import ModelConfig, yarn_mscale
-from .quant import qeinsum, take_rows, value
+from .quant import is_quantized, qeinsum, take_rows, value
+from .sharding import one_device
 from .specs import AttentionSpec, LayerSpec, RopeSpec, rope_spec
 
 # attend(layer, q[b,t,n,h], k[b,t,k,h], v[b,t,k,u], window, *, sm_scale=None, v_dim=None,
@@ -195,8 +198,18 @@ class MLP(nnx.Module):
         self.limit = limit
 
     def __call__(self, x):
-        gu = qeinsum("btd,dcf->btcf", x, self.gate_up)
-        return qeinsum("btf,fd->btd", swiglu(gu[:, :, 0], gu[:, :, 1], self.limit), self.down)
+        w = value(self.gate_up)
+        b, t, d = x.shape
+        if (not is_quantized(w) and w.dtype == x.dtype and one_device()
+                and swiglu_kernel_rows(b * t, d, w.shape[2], x.dtype)):
+            # prefill-sized rows on a Hopper GPU: one kernel, the [rows, 2f] product never
+            # written (pallas_kernels/swiglu_matmul.py)
+            h = swiglu_matmul(x.reshape(b * t, d), w, limit=self.limit, backend="gpu")
+            h = h.reshape(b, t, -1)
+        else:
+            gu = qeinsum("btd,dcf->btcf", x, w)
+            h = swiglu(gu[:, :, 0], gu[:, :, 1], self.limit)
+        return qeinsum("btf,fd->btd", h, self.down)
 
 
 def swiglu(gate, up, limit=None):

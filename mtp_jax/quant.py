@@ -325,12 +325,11 @@ def _as_matrix(xs, ws, out, x_shape, w: QArray, contract):
 
 
 def _one_device() -> bool:
-    """No multi-device mesh is active: XLA cannot partition a Pallas call, so under one
-    every quantized product takes the XLA path."""
-    from .sharding import active_mesh
+    """No multi-device mesh is active: under one every quantized product takes the XLA
+    path."""
+    from .sharding import one_device
 
-    mesh = active_mesh()
-    return mesh is None or mesh.devices.size == 1
+    return one_device()
 
 
 def reads_head_copy(rows: int) -> bool:

@@ -85,6 +85,13 @@ def active_mesh() -> Optional[Mesh]:
     return _ACTIVE_MESH.get()
 
 
+def one_device() -> bool:
+    """No multi-device mesh is active. XLA cannot partition a Pallas call, so the model's
+    kernels that are not wrapped in `shard_kernel` run only then."""
+    mesh = active_mesh()
+    return mesh is None or mesh.devices.size == 1
+
+
 def axis_size(mesh: Optional[Mesh], name: str) -> int:
     """Size of a mesh axis; 1 for no mesh or an axis the mesh does not have."""
     return 1 if mesh is None else dict(mesh.shape).get(name, 1)
