@@ -33,13 +33,15 @@ that ends it after about `new-tokens` (the oracle's token `new-tokens` steps aft
 prompt, so it stops there unless that token comes up earlier). With `--kv-pages N` (a pool
 smaller than every slot's max_model_len), `--pages on-demand,reserve` compares the
 engine's pages on demand with the rule of reserving prompt + max_tokens + K at admission.
-With $OUT set, writes bench_batch_job.json there.
+With $OUT set, writes bench_batch_job.json there, each run's tokens as a sha256 digest
+(`tokens_sha256`) that runs of other processes compare with.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
 import itertools
 import json
 import os
@@ -299,10 +301,13 @@ def main(argv=None):
             heads[head] = with_draft_head(model, head)
         r = run_job(model if m == "none" else heads[head], m, 1 if m == "none" else k,
                     None if rows == "auto" else int(rows), rule, args, prompts)
+        tokens = r.pop("tokens")
+        # a digest, so that jobs of separate processes (say, two kernel backends) compare
+        r["tokens_sha256"] = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()
         if want is None:
-            want = r.pop("tokens")
+            want = tokens
         else:
-            r["same_tokens_as_first"] = r.pop("tokens") == want
+            r["same_tokens_as_first"] = tokens == want
         runs.append(r)
         report(r, runs[0], peak)
         if out:  # after every run: a later one may not finish in the time given
