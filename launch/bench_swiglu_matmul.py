@@ -21,7 +21,8 @@ output feeds the next call's x, an optimization barrier keeps the whole output l
 call = loop time / calls; best and median of --reps loops after a warm-up, compile apart.
 The limit is the card's dense bf16 peak (H100 / H200 SXM: 989 TFLOP/s) for the product's
 2 M K 2F FLOPs. Each candidate's result is compared with `xla reference`: the largest
-difference and the share of equal elements. JSON goes to $OUT/bench_swiglu_matmul.json.
+difference and the share of equal elements. JSON goes to $OUT/bench_swiglu_matmul.json, or
+--json PATH.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def main(argv=None):
   ap.add_argument("--sweep", action="store_true", help="tilings beside the default")
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--tiny", action="store_true", help="M 256, K 128, F 256, interpreted")
+  ap.add_argument("--json", help="where the JSON goes (default $OUT/bench_swiglu_matmul.json)")
   args = ap.parse_args(argv)
 
   dev = jax.devices()[0]
@@ -153,8 +155,10 @@ def main(argv=None):
                    f"{1e6 * r['median_s']:.1f} | {rate / 1e12:.0f} | {pct} | {ratio} "
                    f"| {diff} |")
   print("\n".join(lines), flush=True)
-  if os.environ.get("OUT"):
-    with open(os.path.join(os.environ["OUT"], "bench_swiglu_matmul.json"), "w") as fh:
+  path = args.json or (os.environ.get("OUT") and
+                       os.path.join(os.environ["OUT"], "bench_swiglu_matmul.json"))
+  if path:
+    with open(path, "w") as fh:
       json.dump({"device": dev.device_kind, "jax": jax.__version__, "results": results},
                 fh, indent=1)
 

@@ -188,7 +188,10 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
     """SwiGLU: down(silu(x W_gate) * x W_up); with `limit` L (Step-3.5's clamped SwiGLU)
-    down(min(silu(x W_gate), L) * clip(x W_up, -L, L))."""
+    down(min(silu(x W_gate), L) * clip(x W_up, -L, L)). Prefill-sized row counts on a
+    Hopper GPU compute the SwiGLU in the gate+up kernel's epilogue, in f32 from the
+    products rounded to x.dtype (pallas_kernels/swiglu_matmul.py); other rows run the
+    einsum, then the SwiGLU in x.dtype."""
 
     QUANT_AXES = {"gate_up": (0,), "down": (0,)}
 

@@ -5,6 +5,10 @@ choosing it only for prefill-sized rows on a Hopper GPU, with the same result.""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -153,3 +157,25 @@ def test_mlp_takes_the_kernel_for_prefill_rows(runner, monkeypatch):
   _close(got, want)
   mlp(x[:, :8])  # 16 rows: the einsum path
   assert calls == [(rows, K)]
+
+
+@pytest.mark.skipif(NO_INTERPRET, reason=WHY_NO_INTERPRET)
+def test_bench_smoke(tmp_path, monkeypatch):
+  """launch/bench_swiglu_matmul.py --tiny: every candidate timed, the kernel equal to the
+  reference but for a bf16 ulp, the model's bf16 SwiGLU within bf16 rounding of it."""
+  monkeypatch.delenv("OUT", raising=False)
+  spec = importlib.util.spec_from_file_location(
+      "bench_swiglu_matmul",
+      pathlib.Path(__file__).resolve().parents[1] / "launch" / "bench_swiglu_matmul.py")
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  path = tmp_path / "bench.json"
+  bench.main(["--tiny", "--json", str(path)])
+  rows = {r["candidate"]: r for r in json.loads(path.read_text())["results"]}
+  assert {"xla einsum + swiglu", "xla reference", "xla einsum alone",
+          "kernel 128x128x64/4"} <= set(rows)
+  assert all(r["best_s"] > 0 for r in rows.values())
+  assert rows["xla reference"]["max_diff"] == 0
+  assert rows["kernel 128x128x64/4"]["max_diff"] < 2 ** -6
+  assert rows["kernel 128x128x64/4"]["equal"] > 0.999
+  assert rows["xla einsum + swiglu"]["max_diff"] < 0.1
