@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import os
 import pickle
 import threading
@@ -161,6 +162,21 @@ def _environment() -> str:
                  os.environ.get("XLA_FLAGS", ""), switches, options))
 
 
+def _mosaic_gpu_runtime() -> None:
+    """On a GPU, import jax's Mosaic GPU module before any executable is loaded. A saved
+    program that calls a Mosaic GPU kernel (pallas_kernels.swiglu_matmul) links its host
+    code against the Mosaic GPU runtime library, which that import locates
+    ($MOSAIC_GPU_RUNTIME_LIB_PATH). A process that loads executables without tracing never
+    imports it, and the load fails ("Symbols not found: mosaic_gpu_init_tma_desc, ...")
+    into a compile."""
+    if jax.devices()[0].platform != "gpu":
+        return
+    try:
+        importlib.import_module("jax.experimental.mosaic.gpu")
+    except ImportError:  # a jax without Mosaic GPU: no such kernels either
+        pass
+
+
 def _signature(args) -> str:
     leaves, tree = jax.tree_util.tree_flatten(args)
 
@@ -183,6 +199,7 @@ class ExecutableStore:
     def __init__(self, folder: str):
         self.folder = folder
         self._env = _environment()
+        _mosaic_gpu_runtime()
 
     def key(self, name: str, context: str, args) -> str:
         text = "\0".join((self._env, name, context, _signature(args)))
