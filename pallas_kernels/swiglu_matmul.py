@@ -22,7 +22,8 @@ Backends (`backend=...`, else $MTP_JAX_SWIGLU_BACKEND, else the platform):
   reference  pure jnp, the definition above.
 
 `use_kernel` is what the model asks before taking this op: only prefill-sized row counts
-(MIN_ROWS and up) on a Hopper GPU with one device, shapes the tiles divide. Everything
+(MIN_ROWS and up) of MLPs at least MIN_COLUMNS wide, on a Hopper GPU with one device,
+shapes the tiles divide. Everything
 else keeps the model's einsum + SwiGLU.
 """
 
@@ -38,6 +39,9 @@ BACKEND_ENV_VAR = "MTP_JAX_SWIGLU_BACKEND"
 # time of XLA's dot + SwiGLU from 2048 rows, 0.95x at 512 and 1.03x / 1.24x at 1024 / 256
 # (docs/BENCHMARKS.md, "The prefill gate+up with its SwiGLU in one Mosaic GPU kernel").
 MIN_ROWS = 2048
+# Fewest MLP columns F that take it: at 4096 x 2 x 1408 (a small shared expert) it took
+# 1.21x XLA's time at 2048 rows, too few tiles for the SMs; from F = 6144 up 0.84-1.01x.
+MIN_COLUMNS = 4096
 DTYPES = (jnp.bfloat16, jnp.float16)
 
 
@@ -71,10 +75,10 @@ def fits(m: int, k: int, f: int, dtype, block=None) -> bool:
 
 def use_kernel(m: int, k: int, f: int, dtype) -> bool:
   """Whether a model's gate+up product of m rows takes the GPU kernel: the backend
-  resolves to gpu on a Hopper device, m >= MIN_ROWS, the tiles fit."""
+  resolves to gpu on a Hopper device, m >= MIN_ROWS, f >= MIN_COLUMNS, the tiles fit."""
   if resolve_backend(None, BACKEND_ENV_VAR, "swiglu-matmul") != "gpu":
     return False
-  return m >= MIN_ROWS and fits(m, k, f, dtype) and is_hopper()
+  return (m >= MIN_ROWS and f >= MIN_COLUMNS and fits(m, k, f, dtype) and is_hopper())
 
 
 def swiglu_matmul(x, gate_up, *, limit=None, backend=None, block=None, interpret=None,

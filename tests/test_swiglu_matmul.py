@@ -116,6 +116,7 @@ def test_use_kernel_only_for_prefill_rows_on_hopper(monkeypatch):
   assert not op.use_kernel(op.MIN_ROWS - 128, 4096, 11008, jnp.bfloat16)  # decode / verify
   assert not op.use_kernel(op.MIN_ROWS + 64, 4096, 11008, jnp.bfloat16)  # rows off the tile
   assert not op.use_kernel(op.MIN_ROWS, 4096, 11000, jnp.bfloat16)  # F off the tile
+  assert not op.use_kernel(op.MIN_ROWS, 4096, 1408, jnp.bfloat16)  # too few tiles
   assert not op.use_kernel(op.MIN_ROWS, 4096, 11008, jnp.float32)
   monkeypatch.setattr(op, "is_hopper", lambda device=None: False)
   assert not op.use_kernel(op.MIN_ROWS, 4096, 11008, jnp.bfloat16)
@@ -129,7 +130,7 @@ def test_mlp_takes_the_kernel_for_prefill_rows(runner, monkeypatch):
   """The model's MLP through the kernel gives the reference's activations to its down
   projection, and takes its einsum path for rows under the kernel's minimum. Interpreted,
   a stand-in for the Hopper check lets M rows in; natively the MLP decides by itself at
-  MIN_ROWS rows."""
+  MIN_ROWS rows (MIN_COLUMNS lowered to this F)."""
   from mtp_jax import model as model_mod
 
   mlp = model_mod.MLP(K, F, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), limit=None)
@@ -148,6 +149,8 @@ def test_mlp_takes_the_kernel_for_prefill_rows(runner, monkeypatch):
   if runner == "interpret":
     monkeypatch.setattr(model_mod, "swiglu_kernel_rows",
                         lambda m, k, f, dtype: m >= M and m % 128 == 0)
+  else:  # the rule's row count at this small F
+    monkeypatch.setattr(op, "MIN_COLUMNS", F)
   x = jax.random.normal(jax.random.key(3), (2, rows // 2, K), jnp.float32).astype(jnp.bfloat16)
   got = mlp(x)
   assert calls == [(rows, K)]
