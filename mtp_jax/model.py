@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pallas_kernels.swiglu_matmul import swiglu_matmul, use_kernel as swiglu_kernel_rows
+from pallas_kernels.swiglu_matmul import swiglu_matmul, use_kernel as use_swiglu_kernel
 
 from .config import ModelConfig, yarn_mscale
 from .quant import is_quantized, qeinsum, take_rows, value
@@ -204,7 +204,7 @@ class MLP(nnx.Module):
         w = value(self.gate_up)
         b, t, d = x.shape
         if (not is_quantized(w) and w.dtype == x.dtype and one_device()
-                and swiglu_kernel_rows(b * t, d, w.shape[2], x.dtype)):
+                and use_swiglu_kernel(b * t, d, w.shape[2], x.dtype)):
             # prefill-sized rows on a Hopper GPU: one kernel, the [rows, 2f] product never
             # written (pallas_kernels/swiglu_matmul.py)
             h = swiglu_matmul(x.reshape(b * t, d), w, limit=self.limit, backend="gpu")

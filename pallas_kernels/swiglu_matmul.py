@@ -23,8 +23,7 @@ Backends (`backend=...`, else $MTP_JAX_SWIGLU_BACKEND, else the platform):
 
 `use_kernel` is what the model asks before taking this op: only prefill-sized row counts
 (MIN_ROWS and up) of MLPs at least MIN_COLUMNS wide, on a Hopper GPU with one device,
-shapes the tiles divide. Everything
-else keeps the model's einsum + SwiGLU.
+shapes the tiles divide. Everything else keeps the model's einsum + SwiGLU.
 """
 
 from __future__ import annotations

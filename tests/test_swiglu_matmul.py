@@ -149,7 +149,7 @@ def test_mlp_takes_the_kernel_for_prefill_rows(runner, monkeypatch):
 
   monkeypatch.setattr(model_mod, "swiglu_matmul", counted)
   if runner == "interpret":
-    monkeypatch.setattr(model_mod, "swiglu_kernel_rows",
+    monkeypatch.setattr(model_mod, "use_swiglu_kernel",
                         lambda m, k, f, dtype: m >= M and m % 128 == 0)
   else:  # the rule's row count at this small F
     monkeypatch.setattr(op, "MIN_COLUMNS", F)
