@@ -12,9 +12,10 @@ run:
   xla reference         pallas_kernels.swiglu_matmul.reference: the einsum, then silu(g) * u
                         in f32 rounded once (the kernel's numerics)
   xla einsum alone      the [M, 2F] product only: the rate a fused kernel has to keep
-  kernel bm x bn x bk / stages
+  kernel bm x bn x bk / stages [mma+1]
                         pallas_kernels.swiglu_matmul_gpu (Mosaic GPU: TMA, wgmma,
-                        warp-specialised, persistent); --sweep adds tilings to the default
+                        warp-specialised, persistent; mma+1: one wgmma group left in
+                        flight between K chunks); --sweep adds tilings to the default
 
 Timing: calls chained in one jitted fori_loop with a static trip count (one element of each
 output feeds the next call's x, an optimization barrier keeps the whole output live); per
@@ -48,7 +49,8 @@ from pallas_kernels.swiglu_matmul_gpu import BlockConfig, smem_bytes, swiglu_mat
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core FLOP/s (SXM)
 SMEM_LIMIT = 227 * 1024  # a Hopper CTA's shared memory
-SWEEP = [BlockConfig(128, 128, 64, 3), BlockConfig(128, 128, 64, 2),
+SWEEP = [BlockConfig(128, 128, 64, 4, 1), BlockConfig(128, 128, 64, 3, 1),
+         BlockConfig(128, 128, 64, 3), BlockConfig(128, 128, 64, 2),
          BlockConfig(128, 64, 64, 4), BlockConfig(256, 64, 64, 3),
          BlockConfig(128, 128, 32, 4), BlockConfig(128, 192, 64, 3)]
 
@@ -115,7 +117,8 @@ def main(argv=None):
     for b in blocks:
       if m % b.block_m or f % b.block_n or k % b.block_k or smem_bytes(b, 2) > SMEM_LIMIT:
         continue
-      cands.append((f"kernel {b.block_m}x{b.block_n}x{b.block_k}/{b.stages}",
+      cands.append((f"kernel {b.block_m}x{b.block_n}x{b.block_k}/{b.stages}"
+                    + (f" mma+{b.mma_in_flight}" if b.mma_in_flight else ""),
                     lambda x, gu, b=b: swiglu_matmul_gpu(
                         x, gu.reshape(k, 2 * f), block=b, interpret=interpret,
                         num_sms=4 if interpret is not None else None)))

@@ -30,7 +30,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import check_positive_ints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,15 +41,24 @@ class BlockConfig:
   block_n: output columns per tile (each of gate and up); a multiple of 64.
   block_k: contraction chunk per pipeline stage; 64 bf16 = one 128-byte swizzle row.
   stages:  shared-memory slots in the TMA ring.
+  mma_in_flight: wgmma groups left running when a K chunk's body returns (0 or 1); with
+           1 a slot is released one chunk later, so the tensor cores need not drain
+           between chunks.
   """
 
   block_m: int = 128
   block_n: int = 128
   block_k: int = 64
   stages: int = 4
+  mma_in_flight: int = 0
 
   def __post_init__(self):
-    check_positive_ints(self)
+    for name in ("block_m", "block_n", "block_k", "stages"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"BlockConfig.{name} must be a positive int, got {v!r}.")
+    if self.mma_in_flight not in (0, 1) or self.mma_in_flight >= self.stages:
+      raise ValueError(f"{self}: mma_in_flight must be 0 or 1, and below stages.")
     if self.block_m % 128 or self.block_n % 64 or self.block_k % 16:
       raise ValueError(f"{self} needs block_m % 128 == 0 (two warpgroups of 64-row "
                        "wgmma), block_n % 64 == 0 and block_k % 16 == 0.")
@@ -81,9 +89,9 @@ def _kernel(x_gmem, w_gmem, o_gmem, *, block: BlockConfig, limit):
 
   def pipeline(body, compute_context):
     spec_x = plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=in_tf,
-                             memory_space=plgpu.SMEM)
+                             memory_space=plgpu.SMEM, delay_release=block.mma_in_flight)
     spec_w = plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0), transforms=in_tf,
-                             memory_space=plgpu.SMEM)
+                             memory_space=plgpu.SMEM, delay_release=block.mma_in_flight)
     return plgpu.emit_pipeline_warp_specialized(
         body, grid=(k // bk,), memory_registers=40, in_specs=[spec_x, spec_w, spec_w],
         wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=block.stages,
@@ -111,6 +119,7 @@ def _kernel(x_gmem, w_gmem, o_gmem, *, block: BlockConfig, limit):
                            acc_u=plgpu.ACC((wg_rows, bn), jnp.float32))
         def _accs(acc_g, acc_u):
           run((acc_g, acc_u))
+          plgpu.wgmma_wait(0)
           g = acc_g[...].astype(dtype).astype(jnp.float32)
           u = acc_u[...].astype(dtype).astype(jnp.float32)
           act = g * jax.nn.sigmoid(g)
@@ -128,7 +137,8 @@ def _kernel(x_gmem, w_gmem, o_gmem, *, block: BlockConfig, limit):
         acc_g, acc_u = accs
         plgpu.wgmma(acc_g, x_smem.at[my_rows], g_smem)
         plgpu.wgmma(acc_u, x_smem.at[my_rows], u_smem)
-        plgpu.wgmma_wait(0)  # the slot is released when the body returns
+        # the slot of chunk kk - mma_in_flight is released when the body returns
+        plgpu.wgmma_wait(block.mma_in_flight)
         return accs
 
       pipeline(body, compute_context)(

@@ -64,14 +64,16 @@ def _close(got, want, min_equal=0.999):
 
 
 @pytest.mark.parametrize("runner", RUNNERS)
-@pytest.mark.parametrize("limit,dtype", [(None, jnp.bfloat16), (0.5, jnp.bfloat16),
-                                         (None, jnp.float16)])
-def test_kernel_matches_reference(runner, limit, dtype):
+@pytest.mark.parametrize("limit,dtype,block", [
+    (None, jnp.bfloat16, SMALL), (0.5, jnp.bfloat16, SMALL), (None, jnp.float16, SMALL),
+    (None, jnp.bfloat16, BlockConfig(stages=2, mma_in_flight=1))])
+def test_kernel_matches_reference(runner, limit, dtype, block):
   """One kernel call covers several tiles per CTA (4 tiles on 3 CTAs), a ring of 2
-  slots over 2 K chunks, (limit 0.5) both sides of Step-3.5's clamp, and float16."""
+  slots over 2 K chunks, (limit 0.5) both sides of Step-3.5's clamp, float16, and a
+  wgmma group left in flight across chunks."""
   x, w = _inputs(dtype=dtype)
   want = op.reference(x, w, limit)
-  got = _run(runner, x, w, limit)
+  got = _run(runner, x, w, limit, block)
   assert got.shape == (M, F) and got.dtype == dtype
   _close(got, want, 0.999 if dtype == jnp.bfloat16 else 0.995)
   if limit is not None:  # the clamp took effect on some outputs
@@ -102,6 +104,8 @@ def test_errors_name_what_to_do():
     BlockConfig(block_m=64)
   with pytest.raises(ValueError, match="positive int"):
     BlockConfig(stages=0)
+  with pytest.raises(ValueError, match="mma_in_flight must be 0 or 1, and below stages"):
+    BlockConfig(stages=1, mma_in_flight=1)
   with pytest.raises(ValueError, match="unknown swiglu-matmul backend"):
     op.swiglu_matmul(x, w, backend="cuda-graphs")
 
