@@ -76,7 +76,7 @@ def _transforms(minor_elems: int, itemsize: int):
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _kernel(x_gmem, w_gmem, o_gmem, *, block: BlockConfig, limit):
+def _swiglu_matmul_kernel(x_gmem, w_gmem, o_gmem, *, block: BlockConfig, limit):
   m, k = x_gmem.shape
   f = o_gmem.shape[1]
   dtype = x_gmem.dtype
@@ -169,8 +169,10 @@ def swiglu_matmul_gpu(x, w, *, block: BlockConfig | None = None, limit=None,
   if num_sms is None:
     num_sms = jax.devices()[0].core_count
   tiles = (m // block.block_m) * (f // block.block_n)
+  body = functools.partial(_swiglu_matmul_kernel, block=block, limit=limit)
+  body.__name__ = "swiglu_matmul"  # the kernel's name in profiles (a partial has none)
   return plgpu.kernel(
-      functools.partial(_kernel, block=block, limit=limit),
+      body,
       out_type=jax.ShapeDtypeStruct((m, f), x.dtype),
       grid=(min(num_sms, tiles),), grid_names=("sm",),
       num_threads=3, thread_name="wg",
