@@ -33,11 +33,14 @@ def first_divisor(n: int, candidates):
   return next((c for c in candidates if n % c == 0), None)
 
 
-def check_positive_ints(config) -> None:
-  """ValueError naming the field of a block-config dataclass that is not a positive int."""
+def check_positive_ints(config, skip: tuple[str, ...] = ()) -> None:
+  """ValueError naming the field of a block-config dataclass that is not a positive int
+  (fields named in `skip` are the caller's to check)."""
   import dataclasses
 
   for f in dataclasses.fields(config):
+    if f.name in skip:
+      continue
     v = getattr(config, f.name)
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
       raise ValueError(f"{type(config).__name__}.{f.name} must be a positive int, got {v!r}.")

@@ -30,6 +30,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import check_positive_ints
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,10 +55,7 @@ class BlockConfig:
   mma_in_flight: int = 0
 
   def __post_init__(self):
-    for name in ("block_m", "block_n", "block_k", "stages"):
-      v = getattr(self, name)
-      if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ValueError(f"BlockConfig.{name} must be a positive int, got {v!r}.")
+    check_positive_ints(self, skip=("mma_in_flight",))
     if self.mma_in_flight not in (0, 1) or self.mma_in_flight >= self.stages:
       raise ValueError(f"{self}: mma_in_flight must be 0 or 1, and below stages.")
     if self.block_m % 128 or self.block_n % 64 or self.block_k % 16:
