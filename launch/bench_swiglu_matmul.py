@@ -17,10 +17,10 @@ run:
                         warp-specialised, persistent; mma+1: one wgmma group left in
                         flight between K chunks); --sweep adds tilings to the default
 
-Timing: calls chained in one jitted fori_loop with a static trip count (one element of each
-output feeds the next call's x, an optimization barrier keeps the whole output live); per
-call = loop time / calls; best and median of --reps loops after a warm-up, compile apart.
-The limit is the card's dense bf16 peak (H100 / H200 SXM: 989 TFLOP/s) for the product's
+Timing: launch/bench_quant_matmul.py's loop, calls chained in one jitted fori_loop with a
+static trip count (one element of each output feeds the next call's x, an optimization
+barrier keeps the whole output live); per call = loop time / calls; best and median of
+--reps loops after a warm-up, compile apart. The limit is the card's dense bf16 peak (H100 / H200 SXM: 989 TFLOP/s) for the product's
 2 M K 2F FLOPs. Each candidate's result is compared with `xla reference`: the largest
 difference and the share of equal elements. JSON goes to $OUT/bench_swiglu_matmul.json, or
 --json PATH.
@@ -31,23 +31,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax import lax  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_batch_job import PEAK_BF16  # noqa: E402
+from bench_quant_matmul import time_per_call  # noqa: E402
+
 from mtp_jax.model import swiglu  # noqa: E402
 from pallas_kernels.swiglu_matmul import reference  # noqa: E402
 from pallas_kernels.swiglu_matmul_gpu import BlockConfig, smem_bytes, swiglu_matmul_gpu  # noqa: E402
 
-PEAK_BF16 = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core FLOP/s (SXM)
 SMEM_LIMIT = 227 * 1024  # a Hopper CTA's shared memory
 SWEEP = [BlockConfig(128, 128, 64, 4, 1), BlockConfig(128, 128, 64, 3, 1),
          BlockConfig(128, 128, 64, 3), BlockConfig(128, 128, 64, 2),
@@ -61,27 +61,8 @@ def model_path(x, gu, limit=None):
 
 
 def einsum_only(x, gu):
-  return jnp.einsum("mk,kcf->mcf", x, gu)
-
-
-def time_per_call(fn, x, gu, est_s, reps, max_steps=200, target_s=0.05):
-  """(best_s, median_s) per call of fn(x, gu), calls chained in one jitted loop."""
-  steps = int(max(2, min(max_steps, target_s / max(est_s, 1e-7))))
-
-  def loop(x, gu):
-    def body(_, x):
-      y = lax.optimization_barrier(fn(x, gu))
-      return x.at[0, 0].set(y.reshape(-1)[0].astype(x.dtype))
-    return lax.fori_loop(0, steps, body, x)
-
-  compiled = jax.jit(loop).lower(x, gu).compile()
-  compiled(x, gu).block_until_ready()
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    compiled(x, gu).block_until_ready()
-    times.append((time.perf_counter() - t) / steps)
-  return min(times), statistics.median(times)
+  """The [M, 2F] product (the [M, 2, F] einsum's rows flattened: no data moves)."""
+  return jnp.einsum("mk,kcf->mcf", x, gu).reshape(x.shape[0], -1)
 
 
 def main(argv=None):
@@ -131,8 +112,9 @@ def main(argv=None):
         if got.shape == want.shape:
           row["max_diff"] = float(np.abs(got - want).max())
           row["equal"] = float((got == want).mean())
-        row["best_s"], row["median_s"] = time_per_call(fn, x, gu, est, reps,
-                                                      2 if args.tiny else 200)
+        row["best_s"], row["median_s"], _ = time_per_call(
+            lambda x, w, _scale, fn=fn: fn(x, w), x, [(gu, None)], est, reps, 0.05,
+            2 if args.tiny else 200)
       except Exception as e:  # noqa: BLE001 - a tiling that fails is reported, not fatal
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
       results.append(row)
