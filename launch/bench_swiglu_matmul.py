@@ -20,9 +20,9 @@ run:
 Timing: launch/bench_quant_matmul.py's loop, calls chained in one jitted fori_loop with a
 static trip count (one element of each output feeds the next call's x, an optimization
 barrier keeps the whole output live); per call = loop time / calls; best and median of
---reps loops after a warm-up, compile apart. The limit is the card's dense bf16 peak (H100 / H200 SXM: 989 TFLOP/s) for the product's
-2 M K 2F FLOPs. Each candidate's result is compared with `xla reference`: the largest
-difference and the share of equal elements. JSON goes to $OUT/bench_swiglu_matmul.json, or
+--reps loops after a warm-up, compile apart. The limit is the card's dense bf16 peak
+(H100 / H200 SXM: 989 TFLOP/s) for the product's 2 M K 2F FLOPs. Each candidate's result
+is compared with `xla reference`: the largest difference and the share of equal elements. JSON goes to $OUT/bench_swiglu_matmul.json, or
 --json PATH.
 """
 
