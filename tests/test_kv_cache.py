@@ -130,3 +130,50 @@ def test_preempted_requests_continue_to_the_same_output(method, k):
             ref = generate_reference(model, p, sp, max_len=96)[0]
             assert got.token_ids == list(ref), i
     assert eng.alloc.free_pages(0) == 24  # every page back
+
+
+def test_fp8_layout_transposes_value_pages_for_the_gpu_kernel():
+    """fp8 caches read by the GPU kernel store value pages [heads, pages, Dv, page_size];
+    other caches keep [heads, pages, page_size, Dv]. Through PagedKV (write, then attend,
+    here on the reference backend) the transposed cache holds the row layout's pages
+    transposed and attends to the same output, bit for bit."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from mtp_jax.kv_cache import PagedKV, init_caches
+
+    cfg = small_config("step3p5", **STEP)
+    scales = [((0.5, 2.0), (1.5, 0.25))] * (cfg.num_layers + cfg.num_mtp_modules)
+    eng = EngineConfig(max_batch=2, max_model_len=64, page_size=4, prefill_chunk=16,
+                       kv_dtype="fp8", attention_backend="gpu")
+    lay = make_layout(cfg, eng, 3, "float32", scales=scales)
+    heads, dims, v_dims = lay.layer_dims[0]
+    assert lay.v_transposed and lay.page_shapes(0)[1][2:] == (v_dims, 4)
+    for other in (dataclasses.replace(eng, attention_backend="reference"),
+                  dataclasses.replace(eng, kv_dtype=None)):
+        plain = make_layout(cfg, other, 3, "float32", scales=scales)
+        assert not plain.v_transposed and plain.page_shapes(0)[1][2:] == (4, v_dims)
+
+    rows = dataclasses.replace(lay, v_transposed=False)
+    rng = np.random.default_rng(0)
+    tables = (jnp.asarray([[1, 2, 3, 4], [5, 6, 7, 8]], jnp.int32),) * len(lay.groups)
+    positions = jnp.asarray([[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5]], jnp.int32)
+    kv_lens = jnp.asarray([6, 6], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((2, 6, cfg.num_heads, dims)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, 6, heads, d)), jnp.float32)
+            for d in (dims, v_dims))
+    outs, caches = [], []
+    for layout in (rows, lay):
+        def run(q, k, v, layout=layout):
+            kv = PagedKV(layout, init_caches(layout), tables,
+                         jnp.asarray([64, 64], jnp.int32), backend="reference")
+            return kv.attend(positions, kv_lens)(0, q, k, v, None), kv.caches[0]
+
+        out, cache = jax.jit(run)(q, k, v)
+        outs.append(out)
+        caches.append(cache)
+    np.testing.assert_array_equal(np.asarray(outs[0]), np.asarray(outs[1]))
+    np.testing.assert_array_equal(np.asarray(caches[0][1], np.float32),
+                                  np.asarray(caches[1][1].swapaxes(2, 3), np.float32))

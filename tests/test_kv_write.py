@@ -285,3 +285,45 @@ def test_gpu_kernel_lowers_to_triton(dims, dtype):
   text = fn.trace(pages, new, jax.ShapeDtypeStruct((tokens,), jnp.int32), scales).lower(
       lowering_platforms=("cuda",)).as_text()
   assert text.count('name = "kv_write_gpu"') == 1
+
+
+@pytest.mark.parametrize("writer", WRITERS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8_DTYPE], ids=["bf16", "fp8"])
+def test_transposed_pages_hold_the_row_layout_transposed(dtype, writer):
+  """Value pages stored [KVH, num_pages, D, page_size] (paged attention's v_transposed)
+  end up holding exactly the row layout's pages, transposed: every writer, bit for bit,
+  with dropped and negative slots, a D split 128 + 64 and fp8 scales."""
+  rng = np.random.default_rng(6)
+  kvh, num_pages, ps, dims, tokens = 4, 12, 16, (192, 128), 37
+  rows = tuple(jnp.asarray(rng.standard_normal((kvh, num_pages, ps, d)), dtype) for d in dims)
+  new = tuple(jnp.asarray(rng.standard_normal((tokens, kvh, d)) * 30, jnp.bfloat16)
+              for d in dims)
+  slots = rng.permutation(num_pages * ps)[:tokens].astype(np.int32)
+  slots[::5] = DROP_SLOT
+  slots[1] = -3
+  scales = tuple(jnp.asarray(rng.uniform(0.1, 2.0, (kvh,)), jnp.float32)
+                 if dtype == FP8_DTYPE else None for _ in dims)
+  want = write_pages(rows, new, jnp.asarray(slots), scales, backend="reference")
+  got = write_pages((rows[0], rows[1].swapaxes(2, 3)), new, jnp.asarray(slots), scales,
+                    transposed=(False, True), backend=writer[0], interpret=writer[1])
+  assert got[1].shape == (kvh, num_pages, 128, ps)
+  for w, g in zip(want, (got[0], got[1].swapaxes(2, 3))):
+    np.testing.assert_array_equal(_bits(g), _bits(w))
+  k_t, v_t = write_kv(rows[1], rows[1].swapaxes(2, 3), new[1], new[1], jnp.asarray(slots),
+                      v_transposed=True, backend=writer[0], interpret=writer[1])
+  np.testing.assert_array_equal(_bits(v_t.swapaxes(2, 3)), _bits(k_t))
+  with pytest.raises(ValueError, match="differ"):
+    write_kv(rows[1], rows[1].swapaxes(2, 3), new[1], new[1], jnp.asarray(slots))
+
+
+def test_transposed_write_lowers_to_triton():
+  kvh, num_pages, ps, tokens = 4, 12, 16, 37
+  pages = (jax.ShapeDtypeStruct((kvh, num_pages, ps, 128), FP8_DTYPE),
+           jax.ShapeDtypeStruct((kvh, num_pages, 128, ps), FP8_DTYPE))
+  new = tuple(jax.ShapeDtypeStruct((tokens, kvh, 128), jnp.bfloat16) for _ in pages)
+  scales = tuple(jax.ShapeDtypeStruct((kvh,), jnp.float32) for _ in pages)
+  fn = jax.jit(lambda p, n, s, sc: write_pages(p, n, s, sc, transposed=(False, True),
+                                               backend="gpu", interpret=False))
+  text = fn.trace(pages, new, jax.ShapeDtypeStruct((tokens,), jnp.int32), scales).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count('name = "kv_write_gpu"') == 1
