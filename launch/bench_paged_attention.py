@@ -210,15 +210,11 @@ def scaled(fn):
   return lambda q, k, v, t, l, ks, vs: fn(q, k, v, t, l, k_scale=ks, v_scale=vs)
 
 
-def fp8_inputs(args, v_transposed=False):
+def fp8_inputs(args):
   """args (q, k, v, tables, kv_lens) with the pages in fp8 as the cache writes them:
-  (q, k8, v8, tables, kv_lens, k_scale, v_scale), the arguments of `scaled` functions;
-  v_transposed: v8 stored [KVH, num_pages, Dv, page_size], as a GPU engine's fp8 cache
-  holds it (functions made with `ours(..., v_transposed=True)`)."""
+  (q, k8, v8, tables, kv_lens, k_scale, v_scale), the arguments of `scaled` functions."""
   q, k, v, tables, kv_lens = args
   k8, v8, k_scale, v_scale = quantize_kv(k, v)
-  if v_transposed:
-    v8 = v8.swapaxes(2, 3)
   return q, k8, v8, tables, kv_lens, k_scale, v_scale
 
 
@@ -331,26 +327,23 @@ def sweep_pages(results, reps, key, batch, ctx, pages, interpret=False):
     del args, both
 
 
-def sweep_configs(results, reps, key, shapes, configs, fp8, interpret=False,
-                  v_transposed=False):
+def sweep_configs(results, reps, key, shapes, configs, fp8, interpret=False):
   """Q=1 and Q=4 at each (B, ctx) with the default tiling and with each (pages per block,
   warps, stages) in place of the default's (its KV splits kept): whether a tiling wins
-  across shapes, not at one. v_transposed: fp8 value pages stored transposed."""
-  kind = ("fp8-vt" if v_transposed else "fp8") if fp8 else "bf16"
+  across shapes, not at one."""
   for (batch, ctx), q_len in itertools.product(shapes, (1, 4)):
     args = make_inputs(batch, ctx, q_len, key)
     if fp8:
-      args = fp8_inputs(args, v_transposed)
+      args = fp8_inputs(args)
     base = default_block_config(batch, q_len, HQ, KVH, PAGE, ctx // PAGE, "gpu",
-                                kv_dtype=FP8_DTYPE if fp8 else None,
-                                v_transposed=v_transposed)
+                                kv_dtype=FP8_DTYPE if fp8 else None)
     cfgs = [("default", base)] + [
         (f"{ppb}/{warps}/{stages}", dataclasses.replace(
             base, pages_per_block=ppb, num_warps=warps, num_stages=stages))
         for ppb, warps, stages in configs]
     for tag, cfg in cfgs:
-      fn = ours(cfg, interpret=interpret, v_transposed=v_transposed)
-      time_row(results, f"configs B={batch} ctx={ctx} Q={q_len} {kind} "
+      fn = ours(cfg, interpret=interpret)
+      time_row(results, f"configs B={batch} ctx={ctx} Q={q_len} {'fp8' if fp8 else 'bf16'} "
                f"{tag} {cfg}", scaled(fn) if fp8 else fn, args,
                1 if interpret else iters(batch, ctx), reps,
                kv_bytes(batch, ctx, itemsize=1 if fp8 else 2), batch=batch, ctx=ctx,
@@ -397,22 +390,17 @@ def fp8_entry(args, n, reps, batch, ctx, interpret):
   fp8_args = fp8_inputs(args)
   nbytes = kv_bytes(batch, ctx, itemsize=1)
   ours_fp8, reference_fp8 = scaled(ours(interpret=interpret)), scaled(reference)
-  vt_args = fp8_inputs(args, v_transposed=True)
-  ours_vt = scaled(ours(interpret=interpret, v_transposed=True))
   entry = dict(bytes=nbytes)
   tag = f"fp8 B={batch} ctx={ctx} Q={args[0].shape[1]}"
   try:
     got = ours_fp8(*fp8_args)
-    want = reference_fp8(*fp8_args)
-    entry["max_abs_err"] = max_err(got, want)
-    entry["max_abs_err_v_transposed"] = max_err(ours_vt(*vt_args), want)
+    entry["max_abs_err"] = max_err(got, reference_fp8(*fp8_args))
     entry["max_abs_err_vs_bf16"] = max_err(got, ours(interpret=interpret)(*args))
   except Exception as e:
     log(f"{tag} check failed: {type(e).__name__}: {str(e)[:500]}")
     entry["max_abs_err"] = entry["max_abs_err_vs_bf16"] = float("nan")
   time_into(entry, (("ours", ours_fp8), ("xla_reference", reference_fp8)), fp8_args, n,
             reps, nbytes, tag)
-  time_into(entry, (("ours_v_transposed", ours_vt),), vt_args, n, reps, nbytes, tag)
   return entry
 
 
@@ -458,15 +446,9 @@ def fp8_row(entry, denom):
   us = f"{f['best_s'] * 1e6:.1f} / {f['median_s'] * 1e6:.1f}" if f else "n/a"
   bf16_us = f"{b['best_s'] * 1e6:.1f}" if b else "n/a"
   ratio = f"{f['best_s'] / b['best_s']:.2f}" if f and b else "n/a"
-  t = entry["fp8"].get("ours_v_transposed")
-  t_us = f"{t['best_s'] * 1e6:.1f}" if t else "n/a"
-  t_ratio = f"{t['best_s'] / b['best_s']:.2f}" if t and b else "n/a"
   return (f"| {entry['batch']} | {entry['ctx']} | {entry['q_len']} | {bw_cell(f, denom)} | "
-          f"{us} | {bw_cell(t, denom)} | {t_us} | {bf16_us} | {ratio} | {t_ratio} "
-          f"| {bw_cell(entry['fp8'].get('xla_reference'), denom)} "
-          f"| {entry['fp8']['max_abs_err']:.1e} "
-          f"| {entry['fp8'].get('max_abs_err_v_transposed', float('nan')):.1e} "
-          f"| {entry['fp8']['max_abs_err_vs_bf16']:.1e} |")
+          f"{us} | {bf16_us} | {ratio} | {bw_cell(entry['fp8'].get('xla_reference'), denom)} "
+          f"| {entry['fp8']['max_abs_err']:.1e} | {entry['fp8']['max_abs_err_vs_bf16']:.1e} |")
 
 
 def main():
@@ -484,9 +466,8 @@ def main():
   ap.add_argument("--sweep-configs", metavar="B,CTX;...:PPB/WARPS/STAGES,...",
                   help="time Q=1 and Q=4 at these shapes with the default tiling and each "
                        "of these (only that; with --kv fp8 over fp8 pages)")
-  ap.add_argument("--kv", choices=("bf16", "fp8", "fp8-vt"), default="bf16",
-                  help="the pages of --sweep-configs (fp8-vt: fp8 with the value pages "
-                       "transposed, as a GPU engine's fp8 cache stores them)")
+  ap.add_argument("--kv", choices=("bf16", "fp8"), default="bf16",
+                  help="the pages of --sweep-configs")
   ap.add_argument("--sweep-fp8", action="store_true",
                   help="time a grid of block configs over fp8 pages (only that)")
   ap.add_argument("--no-table", action="store_true",
@@ -566,16 +547,13 @@ def main():
     table += "\n".join([
         "", "",
         "fp8 KV: the same shapes with K and V pages in float8_e4m3fn (per-kv-head scales), "
-        "q bf16. Bytes: 1 per K/V value. V^T: the value pages stored transposed "
-        "([Dv, page_size] a page, as a GPU engine's fp8 cache holds them). Errors: fp8 "
-        "ours (row pages, then V^T) vs the XLA reference on the same fp8 pages, and vs ours "
-        "on the bf16 pages (quantization).",
+        "q bf16. Bytes: 1 per K/V value. Errors: fp8 ours vs the XLA reference on the "
+        "same fp8 pages, and vs ours on the bf16 pages (quantization).",
         "",
         "| B | ctx | Q | fp8 ours TB/s (% copy) | fp8 ours us best / median "
-        "| fp8 V^T TB/s (% copy) | fp8 V^T us best | bf16 ours us best | fp8 / bf16 time "
-        "| fp8 V^T / bf16 time | fp8 XLA reference TB/s (% copy) "
-        "| max abs err vs fp8 ref | V^T max abs err vs fp8 ref | max abs err vs bf16 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| bf16 ours us best | fp8 / bf16 time | fp8 XLA reference TB/s (% copy) "
+        "| max abs err vs fp8 ref | max abs err vs bf16 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *fp8_rows,
     ])
   if not (opts.no_table or opts.no_mimo):
@@ -608,7 +586,7 @@ def main():
     sweep_configs(sweep_results, opts.reps, key,
                   [tuple(map(int, sh.split(","))) for sh in shapes.split(";")],
                   [tuple(map(int, c.split("/"))) for c in configs.split(",")],
-                  opts.kv != "bf16", opts.tiny, v_transposed=opts.kv == "fp8-vt")
+                  opts.kv == "fp8", opts.tiny)
   if opts.sweep_pages:
     shape, pages = opts.sweep_pages.split(":")
     batch, ctx = map(int, shape.split(","))

@@ -37,7 +37,6 @@ import numpy as np
 from pallas_kernels.kv_write import DROP_SLOT, slot_mapping, write_pages
 from pallas_kernels import paged_mla as mla_kernel
 from pallas_kernels import resolve_backend
-from pallas_kernels.paged_attention import BACKEND_ENV_VAR as ATTENTION_BACKEND_ENV_VAR
 from pallas_kernels.paged_attention import paged_attention
 
 from .config import ConfigError, EngineConfig, ModelConfig
@@ -68,9 +67,6 @@ class KVLayout:
     # times its head's scale is the key / value (quant.calibrate_kv_scales). A latent
     # layer: ((latent scale, rope scale), ()), for the row's two parts
     scales: Optional[tuple] = None
-    # value pages stored [kv heads, pages, value dims, page_size] (paged attention's
-    # v_transposed): fp8 pages read by the GPU kernel (`make_layout`)
-    v_transposed: bool = False
 
     @property
     def arrays_per_layer(self) -> int:
@@ -91,10 +87,7 @@ class KVLayout:
         heads, dims, v_dims = self.layer_dims[layer]
         pages = self.groups[self.layer_group[layer]].num_pages
         k = (heads, pages, self.page_size, dims)
-        if self.latent:
-            return (k,)
-        v = (v_dims, self.page_size) if self.v_transposed else (self.page_size, v_dims)
-        return k, (heads, pages, *v)
+        return (k,) if self.latent else (k, (heads, pages, self.page_size, v_dims))
 
     def pages_for(self, group: int, tokens: int) -> int:
         g = self.groups[group]
@@ -120,9 +113,7 @@ def make_layout(cfg: ModelConfig, eng: EngineConfig, k: int, dtype, *,
     Pool sizes: `eng.num_pages` per group if set; else `eng.kv_memory_gb` split across
     layers (fp8 pages: twice as many in the same memory); else enough pages for every slot
     to hold `max_model_len` tokens. `dtype`: the model's; `eng.kv_dtype` "fp8" stores
-    float8_e4m3fn pages instead, with `scales` per layer (required then), and where the
-    GPU kernel reads them, value pages transposed (`KVLayout.v_transposed`: H100, B=64,
-    4k context, the attention kernel 93-94 % of copy bandwidth against 86-90 %).
+    float8_e4m3fn pages instead, with `scales` per layer (required then).
     """
     n_mtp = cfg.num_mtp_modules if mtp_layers is None else mtp_layers
     if eng.kv_dtype == "fp8":
@@ -157,12 +148,10 @@ def make_layout(cfg: ModelConfig, eng: EngineConfig, k: int, dtype, *,
             n = per_req * eng.max_batch
         n = max(n, per_req) if w is not None else n
         groups.append(KVGroup(window=w, num_pages=n + 1, ring_pages=ring))
-    v_transposed = (scales is not None and not latent and resolve_backend(
-        eng.attention_backend, ATTENTION_BACKEND_ENV_VAR, "paged-attention") == "gpu")
     return KVLayout(page_size=ps, width=width, groups=tuple(groups),
                     layer_group=tuple(kind_index[w] for w in windows),
                     layer_dims=layer_dims, dtype=jnp.dtype(dtype).name, latent=latent,
-                    scales=scales, v_transposed=v_transposed)
+                    scales=scales)
 
 
 def check_kernels(layout: KVLayout, eng: EngineConfig, cfg: ModelConfig) -> None:
@@ -287,8 +276,7 @@ class PagedKV:
             if dp is not None:  # every dp replica of the pages takes every slot's rows
                 rows = tuple(jax.lax.all_gather(x, dp, axis=0, tiled=True) for x in rows)
                 slots = jax.lax.all_gather(slots, dp, axis=0, tiled=True)
-            return write_pages(pages, rows, slots, scale, backend=self.backend,
-                               transposed=(False, self.layout.v_transposed)[:n])
+            return write_pages(pages, rows, slots, scale, backend=self.backend)
 
         page = P(tp, None, None, None)
         row = P(dp, None, tp, None)
@@ -324,8 +312,7 @@ class PagedKV:
             k_scale, v_scale = extra[has_sinks:] or (None, None)
             return paged_attention(q, kp, vp, table, kv_lens, sliding_window=window,
                                    sm_scale=sm_scale, sinks=sink, k_scale=k_scale,
-                                   v_scale=v_scale, v_transposed=self.layout.v_transposed,
-                                   backend=self.backend)
+                                   v_scale=v_scale, backend=self.backend)
 
         page = P(tp, None, None, None)
         rows = P(dp, None, tp, None)

@@ -1,5 +1,4 @@
-"""KV-cache writes by slot mapping, onto the [KVH, num_pages, page_size, D] page layout
-(or pages stored transposed, [KVH, num_pages, D, page_size]: `write_rows`).
+"""KV-cache writes by slot mapping, onto the [KVH, num_pages, page_size, D] page layout.
 
 A slot is page_id * page_size + offset. Tokens whose slot is >= num_pages * page_size
 (DROP_SLOT, say) are dropped. The "do not write" marker is a large positive index rather
@@ -55,8 +54,8 @@ def quantize_rows(rows, scale, dtype):
                 dtype)
 
 
-def _check(pages, new, slots, scale, transposed=False) -> None:
-  kv_heads, head_dim = pages.shape[0], pages.shape[2 if transposed else 3]
+def _check(pages, new, slots, scale) -> None:
+  kv_heads, _, _, head_dim = pages.shape
   if new.shape[:-2] != slots.shape:
     raise ValueError(f"new rows {new.shape} must be slots.shape {slots.shape} + [KVH, D].")
   if new.shape[-2:] != (kv_heads, head_dim):
@@ -70,21 +69,18 @@ def _check(pages, new, slots, scale, transposed=False) -> None:
                      f"{getattr(scale, 'shape', '')}.")
 
 
-def write_rows(pages, new, slots, scale=None, transposed=False):
+def write_rows(pages, new, slots, scale=None):
   """Scatter new rows into their slots of one page array; returns the updated pages.
 
-  pages: [KVH, num_pages, page_size, D], any float dtype or float8_e4m3fn; with
-         `transposed`, [KVH, num_pages, D, page_size] (each page stored transposed: a row
-         is written as a column; paged attention's v_transposed)
+  pages: [KVH, num_pages, page_size, D], any float dtype or float8_e4m3fn
   new:   [T, KVH, D] or [B, T, KVH, D]
   slots: [T] or [B, T] int32; slot >= num_pages * page_size is dropped.
   scale: None or [KVH] float, the per-kv-head scale the pages are read with: stored is
          new / scale[h], for fp8 pages saturated to +-448 (module docstring).
   Slots that repeat within one call write an unspecified one of their rows.
   """
-  _check(pages, new, slots, scale, transposed)
-  kv_heads, num_pages = pages.shape[:2]
-  page_size, head_dim = pages.shape[3:1:-1] if transposed else pages.shape[2:]
+  _check(pages, new, slots, scale)
+  kv_heads, num_pages, page_size, head_dim = pages.shape
   slots = slots.reshape(-1).astype(jnp.int32)
   # [T, KVH, D] -> [KVH, T, D] to match the head-major page layout.
   rows = quantize_rows(new.reshape(-1, kv_heads, head_dim).swapaxes(0, 1), scale,
@@ -92,23 +88,16 @@ def write_rows(pages, new, slots, scale=None, transposed=False):
   # Out-of-range slots (DROP_SLOT) give out-of-range flat rows, which mode='drop' skips.
   # Negative slots are refused too rather than wrapped.
   slots = jnp.where(slots < 0, DROP_SLOT, slots)
-  if transposed:  # pages[h, slot // page_size, d, slot % page_size] = rows[h, t, d]
-    page = (slots // page_size)[:, None]
-    col = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
-    return pages.at[:, page, col, (slots % page_size)[:, None]].set(rows, mode="drop")
   flat = pages.reshape(kv_heads, num_pages * page_size, head_dim)
   return flat.at[:, slots].set(rows, mode="drop").reshape(pages.shape)
 
 
-def write_pages(pages, new, slots, scales=None, *, transposed=None, backend=None,
-                interpret=False):
+def write_pages(pages, new, slots, scales=None, *, backend=None, interpret=False):
   """`write_rows` for page arrays that share one page geometry and one slot mapping (a
   layer's K and V; a latent cache's one array), each with its own rows and scale.
 
   pages: tuple of [KVH, num_pages, page_size, D_i]; new: tuple of [..., KVH, D_i] rows
-  shaped like slots + [KVH, D_i]; scales: None or a tuple of [KVH] float / None;
-  transposed: None or a tuple of bools, the arrays whose pages are stored
-  [KVH, num_pages, D_i, page_size] (`write_rows`).
+  shaped like slots + [KVH, D_i]; scales: None or a tuple of [KVH] float / None.
   backend: None -> $MTP_JAX_ATTENTION_BACKEND or jax.default_backend() (the attention's
   switch): 'gpu' writes every array in one Pallas kernel (`kv_write_gpu`; interpret=True
   runs it in interpret mode), 'tpu' and 'reference' one XLA scatter per array. The
@@ -117,43 +106,33 @@ def write_pages(pages, new, slots, scales=None, *, transposed=None, backend=None
 
   pages, new = tuple(pages), tuple(new)
   scales = (None,) * len(pages) if scales is None else tuple(scales)
-  transposed = (False,) * len(pages) if transposed is None else tuple(map(bool, transposed))
-  if not len(pages) == len(new) == len(scales) == len(transposed):
-    raise ValueError(f"{len(pages)} page arrays, {len(new)} row arrays, {len(scales)} "
-                     f"scales and {len(transposed)} layout flags: one of each per array.")
-
-  def geometry(p, t):  # [KVH, num_pages, page_size]
-    return p.shape[:2] + (p.shape[3] if t else p.shape[2],)
-
-  for p, x, s, t in zip(pages, new, scales, transposed):
-    _check(p, x, slots, s, t)
-    if geometry(p, t) != geometry(pages[0], transposed[0]):
+  if not len(pages) == len(new) == len(scales):
+    raise ValueError(f"{len(pages)} page arrays, {len(new)} row arrays and {len(scales)} "
+                     "scales: one of each per array.")
+  for p, x, s in zip(pages, new, scales):
+    _check(p, x, slots, s)
+    if p.shape[:3] != pages[0].shape[:3]:
       raise ValueError(f"page arrays {p.shape} and {pages[0].shape} differ in their "
                        "[KVH, num_pages, page_size]: one slot mapping cannot serve both.")
   if resolve_backend(backend, BACKEND_ENV_VAR, "KV write") != "gpu":
-    return tuple(write_rows(p, x, slots, s, t)
-                 for p, x, s, t in zip(pages, new, scales, transposed))
+    return tuple(write_rows(p, x, slots, s) for p, x, s in zip(pages, new, scales))
   from pallas_kernels.kv_write_gpu import write_pages_gpu
 
   kv_heads = pages[0].shape[0]
   rows = tuple(x.reshape(-1, kv_heads, x.shape[-1]) for x in new)
-  return write_pages_gpu(pages, rows, slots.reshape(-1), scales, transposed=transposed,
-                         interpret=interpret)
+  return write_pages_gpu(pages, rows, slots.reshape(-1), scales, interpret=interpret)
 
 
 def write_kv(k_pages, v_pages, k_new, v_new, slots, k_scale=None, v_scale=None, *,
-             v_transposed=False, backend=None, interpret=False):
+             backend=None, interpret=False):
   """`write_pages` for a K and a V page array alike (k_scale / v_scale: None or [KVH], as
-  paged attention reads them; v_transposed: v_pages stored [KVH, num_pages, D, page_size]);
-  returns (k_pages, v_pages)."""
-  v_shape = v_pages.shape[:2] + v_pages.shape[:1:-1] if v_transposed else v_pages.shape
-  if v_shape != k_pages.shape:
-    raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} differ"
-                     f"{' (v_transposed)' if v_transposed else ''}.")
+  paged attention reads them); returns (k_pages, v_pages)."""
+  if v_pages.shape != k_pages.shape:
+    raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} differ.")
   if k_new.shape != v_new.shape:
     raise ValueError(f"k_new {k_new.shape} and v_new {v_new.shape} differ.")
   return write_pages((k_pages, v_pages), (k_new, v_new), slots, (k_scale, v_scale),
-                     transposed=(False, v_transposed), backend=backend, interpret=interpret)
+                     backend=backend, interpret=interpret)
 
 
 def slot_mapping(block_tables, positions, page_size, limit):

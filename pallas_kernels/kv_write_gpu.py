@@ -35,10 +35,9 @@ from pallas_kernels.kv_write import stored
 from pallas_kernels.paged_attention import head_scales
 from pallas_kernels.paged_attention_gpu import key_dim_parts
 
-def _kernel(slots_ref, scale_ref, *refs, n, num_tokens, block_t, has_scale, transposed):
+def _kernel(slots_ref, scale_ref, *refs, n, num_tokens, block_t, has_scale):
   news, outs = refs[:n], refs[2 * n:]  # refs[n:2n]: the pages in, aliased to outs
-  num_pages = outs[0].shape[0]
-  page_size = outs[0].shape[2 if transposed[0] else 1]
+  num_pages, page_size = outs[0].shape[:2]
   t = pl.program_id(0) * block_t + lax.broadcasted_iota(jnp.int32, (block_t,), 0)
   in_t = t < num_tokens
   t = jnp.minimum(t, num_tokens - 1)
@@ -47,33 +46,26 @@ def _kernel(slots_ref, scale_ref, *refs, n, num_tokens, block_t, has_scale, tran
   page = jnp.where(ok, lax.div(slot, page_size), num_pages)  # out of bounds: see above
   offset = jnp.where(ok, lax.rem(slot, page_size), 0)
   for i in range(n):
-    dim = outs[i].shape[-2 if transposed[i] else -1]
-    for start, width, tile in key_dim_parts(dim):
+    for start, width, tile in key_dim_parts(outs[i].shape[-1]):
       shape = (block_t, tile)
       col = start + lax.broadcasted_iota(jnp.int32, shape, 1)
       mask = ok[:, None] & (col < start + width)
       x = pltriton.load(news[i].at[jnp.broadcast_to(t[:, None], shape), col], mask=mask,
                         other=0.0)
       y = stored(x, scale_ref[i] if has_scale[i] else None, outs[i].dtype)
-      slot_at = jnp.broadcast_to(offset[:, None], shape)
-      # A transposed page ([D, page_size]) takes the row as a column.
-      at = (jnp.broadcast_to(page[:, None], shape),
-            *((col, slot_at) if transposed[i] else (slot_at, col)))
+      at = (jnp.broadcast_to(page[:, None], shape), jnp.broadcast_to(offset[:, None], shape),
+            col)
       pltriton.store(outs[i].at[at], y, mask=mask)
 
 
-@functools.partial(jax.jit, static_argnames=("transposed", "block_t", "num_warps",
-                                             "interpret"))
-def write_pages_gpu(pages, new, slots, scales, *, transposed=None, block_t=16, num_warps=4,
-                    interpret=False):
+@functools.partial(jax.jit, static_argnames=("block_t", "num_warps", "interpret"))
+def write_pages_gpu(pages, new, slots, scales, *, block_t=16, num_warps=4, interpret=False):
   """pages: tuple of [KVH, num_pages, page_size, D_i] arrays (one page geometry, any
-  float dtype or float8_e4m3fn; [KVH, num_pages, D_i, page_size] where `transposed[i]`),
-  new: tuple of [T, KVH, D_i] rows, slots: [T] int32, scales: tuple of [KVH] float or
-  None per array. Returns the updated pages: in place when the caller's program donates
-  them (the engine's do), else written into a copy."""
+  float dtype or float8_e4m3fn), new: tuple of [T, KVH, D_i] rows, slots: [T] int32,
+  scales: tuple of [KVH] float or None per array. Returns the updated pages: in place
+  when the caller's program donates them (the engine's do), else written into a copy."""
   n = len(pages)
-  transposed = tuple(transposed or (False,) * n)
-  kv_heads, num_pages = pages[0].shape[:2]
+  kv_heads, num_pages, page_size, _ = pages[0].shape
   num_tokens = slots.shape[0]
   if block_t & (block_t - 1):
     raise ValueError(f"block_t must be a power of two, got {block_t}.")
@@ -82,8 +74,9 @@ def write_pages_gpu(pages, new, slots, scales, *, transposed=None, block_t=16, n
   has_scale = tuple(s is not None for s in scales)
   scale = head_scales(*scales, num_kv_heads=kv_heads)  # [KVH, n], 1.0 for None
   kernel = functools.partial(_kernel, n=n, num_tokens=num_tokens, block_t=block_t,
-                             has_scale=has_scale, transposed=transposed)
-  page_specs = [pl.BlockSpec((None, *p.shape[1:]), lambda t, h: (h, 0, 0, 0)) for p in pages]
+                             has_scale=has_scale)
+  page_specs = [pl.BlockSpec((None, num_pages, page_size, p.shape[-1]),
+                             lambda t, h: (h, 0, 0, 0)) for p in pages]
   in_specs = [pl.BlockSpec((num_tokens,), lambda t, h: (0,)),
               pl.BlockSpec((None, n), lambda t, h: (h, 0)),
               *[pl.BlockSpec((num_tokens, None, x.shape[-1]), lambda t, h: (0, h, 0))

@@ -5,8 +5,7 @@ head, k kv position, d key head dim, v value head dim):
   q            [B, Q, Hq, D]                 Hq = KVH * G; query head h*G + g reads kv head h
   k_pages      [KVH, num_pages, page_size, D]
   v_pages      [KVH, num_pages, page_size, Dv]   Dv may differ from D (MiMo-V2-Flash:
-                                             D = 192, Dv = 128); with v_transposed,
-               [KVH, num_pages, Dv, page_size]   each page stored transposed (below)
+                                             D = 192, Dv = 128)
   block_tables [B, max_pages_per_seq] int32  page ids into num_pages
   kv_lens      [B] int32                     KV length per row, counting the Q new tokens
   sinks        [Hq] float or None            per-query-head attention-sink logits
@@ -63,15 +62,6 @@ already carry v_scale and log-sum-exps of the scaled logits; `combine_splits` is
 the partials, so the combine is unchanged. `kv_write.write_rows` stores the quantized
 rows: clip(new / scale, -448, 448) in float8_e4m3fn.
 
-Transposed value pages (`v_transposed=True`, what the cache allocates for fp8 pages on a
-GPU): each (kv head, page) is still one contiguous chunk, stored [Dv, page_size], so the
-value operand of p . V has the kv positions contiguous. With 1-byte values that is the
-layout the tensor cores take without shuffling bytes: in [page_size, Dv] pages the GPU
-kernel's p . V operand was assembled byte by byte (an H100 profile at B=64, 4k context:
-59.6 M instructions against 47.6 M, 255 registers a thread against 155), and fp8 pages
-streamed at 86 % of copy bandwidth against 93-94 % (docs/BENCHMARKS.md). The
-reference reads either layout; the TPU kernel reads row pages only.
-
 Kernels pack the G query heads of one kv head times the Q rows into the rows of one tile
 (row r = i * G + g), so a kv page is read once for all of them: verify with Q = K + 1
 costs about what decode does. Backends: `paged_attention_gpu` (Pallas Triton, split-K
@@ -127,8 +117,7 @@ class BlockConfig:
 
 
 def default_block_config(batch, q_len, num_q_heads, num_kv_heads, page_size, max_pages,
-                         backend, num_cores=None, kv_dtype=None,
-                         v_transposed=False) -> BlockConfig:
+                         backend, num_cores=None, kv_dtype=None) -> BlockConfig:
   """Block sizes from the shapes.
 
   GPU: 128 kv positions per block, 4 warps, 2 stages (on an H200 at B=64, 4k context,
@@ -174,8 +163,8 @@ def default_block_config(batch, q_len, num_q_heads, num_kv_heads, page_size, max
     num_cores = getattr(jax.devices()[0], "core_count", None) or 132
   if (kv_dtype is not None and jnp.dtype(kv_dtype).itemsize == 1 and rows_per_block == 16
       and 2 * programs >= 5 * num_cores):
-    return BlockConfig(pages_per_block=pages_for(128 if v_transposed else 64), num_splits=1,
-                       rows_per_block=16, num_warps=2, num_stages=3)
+    return BlockConfig(pages_per_block=pages_for(64), num_splits=1, rows_per_block=16,
+                       num_warps=2, num_stages=3)
   num_splits = 1
   if programs < num_cores:  # less than a wave: split for about two
     blocks = -(-max_pages // pages_per_block)
@@ -240,17 +229,13 @@ def _resolve_backend(backend):
 
 
 def _check_inputs(q, k_pages, v_pages, block_tables, kv_lens, sliding_window, soft_cap,
-                  sinks=None, k_scale=None, v_scale=None, v_transposed=False):
+                  sinks=None, k_scale=None, v_scale=None):
   if q.ndim != 4:
     raise ValueError(f"q must be [B, Q, Hq, D], got shape {q.shape}.")
   batch, _, num_q_heads, head_dim = q.shape
-  v_geometry = (v_pages.shape[:2] + v_pages.shape[3:] if v_transposed and v_pages.ndim == 4
-                else v_pages.shape[:3])
-  if k_pages.ndim != 4 or v_pages.ndim != 4 or k_pages.shape[:3] != v_geometry:
-    v_want = ("[KVH, num_pages, Dv, page_size] (v_transposed)" if v_transposed
-              else "[KVH, num_pages, page_size, Dv]")
-    raise ValueError(f"k_pages and v_pages must be [KVH, num_pages, page_size, D] and "
-                     f"{v_want} (same KVH, num_pages and page_size); "
+  if k_pages.ndim != 4 or v_pages.ndim != 4 or k_pages.shape[:3] != v_pages.shape[:3]:
+    raise ValueError("k_pages and v_pages must be [KVH, num_pages, page_size, D] and "
+                     "[KVH, num_pages, page_size, Dv] (same KVH, num_pages and page_size); "
                      f"got {k_pages.shape} and {v_pages.shape}.")
   num_kv_heads, _, _, kv_dim = k_pages.shape
   if kv_dim != head_dim:
@@ -307,11 +292,10 @@ def unpack_rows(out, q_len, group):
 
 
 @functools.partial(jax.jit, static_argnames=("sliding_window", "soft_cap", "sm_scale",
-                                             "block_config", "v_transposed"))
+                                             "block_config"))
 def paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, *,
                               sliding_window=None, soft_cap=None, sm_scale=None, sinks=None,
-                              k_scale=None, v_scale=None, block_config=None,
-                              v_transposed=False):
+                              k_scale=None, v_scale=None, block_config=None):
   """Pure-jnp paged attention: gather every table page, dense masked softmax.
 
   Same signature and result as `paged_attention` (block_config is accepted and ignored).
@@ -320,9 +304,7 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, *,
   """
   del block_config
   _check_inputs(q, k_pages, v_pages, block_tables, kv_lens, sliding_window, soft_cap, sinks,
-                k_scale, v_scale, v_transposed)
-  if v_transposed:
-    v_pages = v_pages.swapaxes(2, 3)
+                k_scale, v_scale)
   batch, q_len, num_q_heads, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape
   v_dim = v_pages.shape[3]
@@ -377,7 +359,7 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, *,
 
 def paged_attention(q, k_pages, v_pages, block_tables, kv_lens, *, sliding_window=None,
                     soft_cap=None, sm_scale=None, sinks=None, k_scale=None, v_scale=None,
-                    v_transposed=False, backend=None, interpret=False, block_config=None):
+                    backend=None, interpret=False, block_config=None):
   """Paged GQA attention over the pages named by `block_tables` (module docstring).
 
   sm_scale: default 1 / sqrt(D) (the key head dim). sinks: None or [Hq] per-query-head
@@ -385,8 +367,6 @@ def paged_attention(q, k_pages, v_pages, block_tables, kv_lens, *, sliding_windo
   k_scale, v_scale: None (1.0) or [KVH] float traced arrays, kv head h's dequantization
   scales: its logical keys are k_pages[h] * k_scale[h], likewise values; for fp8
   (float8_e4m3fn) pages, and applied to pages of any dtype (module docstring).
-  v_transposed: v_pages stored [KVH, num_pages, Dv, page_size] (module docstring); the GPU
-  kernel and the reference read it, the TPU kernel raises ValueError.
   backend: None -> $MTP_JAX_ATTENTION_BACKEND or jax.default_backend() ('cpu' runs the
   reference); or 'gpu', 'tpu', 'reference'. Resolved here, outside jit, so the env var
   is read on every call. interpret=True runs the chosen Pallas kernel in interpret mode
@@ -396,7 +376,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, kv_lens, *, sliding_windo
   """
   backend = _resolve_backend(backend)
   kwargs = dict(sliding_window=sliding_window, soft_cap=soft_cap, sm_scale=sm_scale,
-                sinks=sinks, k_scale=k_scale, v_scale=v_scale, v_transposed=bool(v_transposed))
+                sinks=sinks, k_scale=k_scale, v_scale=v_scale)
   if backend == "reference":
     return paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, **kwargs)
   if block_config is not None and not isinstance(block_config, BlockConfig):
@@ -407,27 +387,21 @@ def paged_attention(q, k_pages, v_pages, block_tables, kv_lens, *, sliding_windo
 
 
 @functools.partial(jax.jit, static_argnames=("sliding_window", "soft_cap", "sm_scale",
-                                             "v_transposed", "backend", "interpret",
-                                             "block_config"))
+                                             "backend", "interpret", "block_config"))
 def _paged_attention_kernel(q, k_pages, v_pages, block_tables, kv_lens, *, sliding_window,
-                            soft_cap, sm_scale, sinks, k_scale, v_scale, v_transposed,
-                            backend, interpret, block_config):
+                            soft_cap, sm_scale, sinks, k_scale, v_scale, backend, interpret,
+                            block_config):
   """The packed rows' sinks and the backend's kernel: the GPU kernel gathers its packed
   query rows from q and stores them back unpacked; the TPU kernel takes them packed."""
   _check_inputs(q, k_pages, v_pages, block_tables, kv_lens, sliding_window, soft_cap, sinks,
-                k_scale, v_scale, v_transposed)
-  if v_transposed and backend != "gpu":
-    raise ValueError(f"The {backend} paged-attention kernel reads value pages stored "
-                     "[KVH, num_pages, page_size, Dv]; v_transposed pages are read by the "
-                     "'gpu' kernel and the reference.")
+                k_scale, v_scale)
   batch, q_len, num_q_heads, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape
-  v_dim = v_pages.shape[2 if v_transposed else 3]
+  v_dim = v_pages.shape[3]
   group = num_q_heads // num_kv_heads
   cfg = block_config or default_block_config(
       batch, q_len, num_q_heads, num_kv_heads, page_size, block_tables.shape[1], backend,
-      num_cores=132 if interpret else None, kv_dtype=k_pages.dtype,
-      v_transposed=v_transposed)
+      num_cores=132 if interpret else None, kv_dtype=k_pages.dtype)
 
   # Packed rows: kv head h's query rows r = i*G + g (query i, head h*G + g), padded to the
   # tile. The GPU kernel gathers them from q itself; the TPU kernel takes them packed.
@@ -449,7 +423,7 @@ def _paged_attention_kernel(q, k_pages, v_pages, block_tables, kv_lens, *, slidi
   if backend == "gpu":
     from pallas_kernels.paged_attention_gpu import paged_attention_gpu
     out = paged_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, scales, sink_rows,
-                              **common, v_transposed=v_transposed, num_splits=cfg.num_splits,
+                              **common, num_splits=cfg.num_splits,
                               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out if out.shape[-1] == v_dim else out[..., :v_dim]
   if cfg.num_splits != 1:

@@ -25,9 +25,6 @@ context on an H200 (docs/BENCHMARKS.md). A key dim that is not a power of two is
 into power-of-two parts (`key_dim_parts`: 192 = 128 + 64), one gather and one dot each;
 a part or value dim that is not a power of two >= 16 is padded up by masked loads
 (`dim_tile`), and the output then carries dim_tile(Dv) columns, sliced by the caller.
-Transposed value pages ([Dv, page_size] a page, `v_transposed`) are the exception: they
-are gathered as [pages, Dv, page_size] and laid side by side into [Dv, block_k], the
-kv positions contiguous for the p . V operand (the op's docstring says why).
 
 fp8 pages are loaded as 1-byte values and converted to q's dtype in registers right after
 the gather (half the HBM bytes of bf16; the dots stay bf16 / f32). The per-kv-head scales
@@ -93,12 +90,12 @@ def _load_q_cols(q_ref, at, valid, start, width, tile):
 
 
 def _kernel(kv_lens_ref, bt_ref, scale_ref, q_ref, k_ref, v_ref, *refs, sm_scale, soft_cap,
-            window, q_len, group, rows, pages_per_block, num_splits, has_sinks, v_transposed):
+            window, q_len, group, rows, pages_per_block, num_splits, has_sinks):
   sink_ref, out_refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
   tile, split = pl.program_id(2), pl.program_id(3)
   head_dim = q_ref.shape[-1]
   num_q_heads = q_ref.shape[0] // q_len
-  v_dim = v_ref.shape[-2 if v_transposed else -1]
+  v_dim = v_ref.shape[-1]
   page_size = k_ref.shape[1]
   max_pages = bt_ref.shape[0]
   block_k = pages_per_block * page_size
@@ -138,9 +135,6 @@ def _kernel(kv_lens_ref, bt_ref, scale_ref, q_ref, k_ref, v_ref, *refs, sm_scale
     idx[width] = (kv_row, lax.rem(kv_row, page_size),
                   lax.broadcasted_iota(jnp.int32, (block_k, width), 1))
   row_page = lax.div(jnp.arange(block_k, dtype=jnp.int32), page_size)
-  if v_transposed:  # [pages, Dv tile, page_size] gathers of whole transposed pages
-    vt_shape = (pages_per_block, v_part[2], page_size)
-    vt_idx = tuple(lax.broadcasted_iota(jnp.int32, vt_shape, axis) for axis in range(3))
   precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
 
   def gather(ref, pages, pos0, start, width, tile_w, masked):
@@ -159,23 +153,6 @@ def _kernel(kv_lens_ref, bt_ref, scale_ref, q_ref, k_ref, v_ref, *refs, sm_scale
     return pltriton.load(ref.at[at], mask=mask, other=None if mask is None else 0.0
                          ).astype(compute)
 
-  def gather_vt(page0, pos0, masked):
-    """A block of transposed value pages as [Dv tile, block_k]: one [Dv tile, page_size]
-    chunk per page, gathered as a 3-D load (each page a contiguous run; a 2-D gather
-    with the page id varying along its minor axis loaded byte by byte: 1.8 against 2.7
-    TB/s at B=64, 4k on an H100) and laid side by side. Masked as `gather` masks."""
-    blk, dim_idx, slot_idx = vt_idx
-    pages = bt_ref[jnp.minimum(page0 + jnp.arange(pages_per_block, dtype=jnp.int32),
-                               max_pages - 1)]
-    pos = pos0 + blk * page_size + slot_idx
-    mask = ((pos >= lo) & (pos < hi)) if masked else None
-    if v_part[2] != v_dim:
-      cols = dim_idx < v_dim
-      mask = cols if mask is None else mask & cols
-    at = (jnp.broadcast_to(pages[:, None, None], vt_shape), dim_idx, slot_idx)
-    vt = pltriton.load(v_ref.at[at], mask=mask, other=None if mask is None else 0.0)
-    return vt.transpose(1, 0, 2).reshape(v_part[2], block_k).astype(compute)
-
   def body(j, carry, masked):
     acc, m_prev, l_prev = carry
     page0 = first_page + j * pages_per_block
@@ -188,10 +165,7 @@ def _kernel(kv_lens_ref, bt_ref, scale_ref, q_ref, k_ref, v_ref, *refs, sm_scale
       s_part = lax.dot_general(q_part, k, (((1,), (1,)), ((), ())), precision=precision,
                                preferred_element_type=jnp.float32)
       s = s_part if s is None else s + s_part
-    if v_transposed:
-      v = gather_vt(page0, pos0, masked)
-    else:
-      v = gather(v_ref, pages, pos0, *v_part, masked)
+    v = gather(v_ref, pages, pos0, *v_part, masked)
     if soft_cap is None:
       s = s * (logit_scale * LOG2E)
     else:
@@ -205,8 +179,7 @@ def _kernel(kv_lens_ref, bt_ref, scale_ref, q_ref, k_ref, v_ref, *refs, sm_scale
     p = jnp.exp2(s - m_next[:, None])
     if masked:
       p = jnp.where(mask, p, 0.0)
-    v_contract = 1 if v_transposed else 0  # the kv-position axis of v
-    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (v_contract,)), ((), ())),
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                          precision=precision, preferred_element_type=jnp.float32)
     return acc * alpha[:, None] + pv, m_next, l_prev * alpha + p.sum(axis=1)
 
@@ -284,18 +257,15 @@ def combine_splits(o_parts, lse):
 
 def paged_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, scales, sink_rows=None,
                         *, q_len, group, sm_scale, soft_cap, window, pages_per_block,
-                        num_splits, rows_per_block, num_warps, num_stages, interpret,
-                        v_transposed=False):
+                        num_splits, rows_per_block, num_warps, num_stages, interpret):
   """q [B, Q, Hq, D] as the op takes it (the kernel gathers each kv head's packed rows
-  itself), pages in q's dtype or fp8 (v_pages [KVH, num_pages, Dv, page_size] when
-  v_transposed), scales [KVH, 2] f32 (k_scale, v_scale per kv head),
+  itself), pages in q's dtype or fp8, scales [KVH, 2] f32 (k_scale, v_scale per kv head),
   sink_rows None or [KVH, R] f32 (packed row r's sink, R the packed rows padded to the
   tile) -> [B, Q, Hq, dim_tile(Dv)] in q's dtype; columns past Dv are zero. One split
   stores its rows straight into that layout; split partials keep the packed layout and
   their combine unpacks."""
   batch, _, num_q_heads, head_dim = q.shape
-  kv_heads, _, page_size, _ = k_pages.shape
-  v_dim = v_pages.shape[2 if v_transposed else 3]
+  kv_heads, _, page_size, v_dim = v_pages.shape
   max_pages = block_tables.shape[1]
   for name, n in (("page_size", page_size), ("pages_per_block", pages_per_block),
                   ("rows_per_block", rows_per_block)):
@@ -317,7 +287,7 @@ def paged_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, scales, sink
   kernel = functools.partial(
       _kernel, sm_scale=sm_scale, soft_cap=soft_cap, window=window, q_len=q_len,
       group=group, rows=rows_per_block, pages_per_block=pages_per_block,
-      num_splits=num_splits, has_sinks=sink_rows is not None, v_transposed=v_transposed)
+      num_splits=num_splits, has_sinks=sink_rows is not None)
   flat = (None, q_len * num_q_heads)  # one batch row's [Q * Hq, width], rows gathered
   in_specs = [
       pl.BlockSpec((1,), lambda b, h, t, s: (b,)),

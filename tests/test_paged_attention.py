@@ -253,7 +253,6 @@ class PagedAttentionTest:
   interpret = False
   platform = "gpu"          # native runs need jax.default_backend() == platform
   cases = list(CASES)
-  v_transposed = False      # value pages stored [KVH, num_pages, Dv, page_size]
 
   @pytest.fixture(autouse=True)
   def _require_platform(self):
@@ -274,10 +273,8 @@ class PagedAttentionTest:
     case = CASES[name]
     q, k, v, tables, kv_lens = make_inputs(case)
     kw = case_kwargs(case)
-    v_pages = v.swapaxes(2, 3) if self.v_transposed else v
-    got = paged_attention(q, k, v_pages, tables, kv_lens, backend=self.backend,
-                          interpret=self.interpret, block_config=self.config(case, q),
-                          v_transposed=self.v_transposed, **kw)
+    got = paged_attention(q, k, v, tables, kv_lens, backend=self.backend,
+                          interpret=self.interpret, block_config=self.config(case, q), **kw)
     want = paged_attention_reference(q, k, v, tables, kv_lens, **kw)
     assert got.dtype == q.dtype and got.shape == (*q.shape[:3], v.shape[3])
     got = np.asarray(got, np.float32)
@@ -305,14 +302,6 @@ class TestPagedAttentionGPU(PagedAttentionTest):
 
 class TestPagedAttentionGPUInterpret(TestPagedAttentionGPU):
   interpret = True
-
-
-class TestPagedAttentionGPUTransposedV(TestPagedAttentionGPU):
-  v_transposed = True
-
-
-class TestPagedAttentionGPUInterpretTransposedV(TestPagedAttentionGPUInterpret):
-  v_transposed = True
 
 
 class TestPagedAttentionTPU(PagedAttentionTest):
@@ -544,46 +533,25 @@ def test_gpu_tiling_errors_name_the_dimension():
     paged_attention(*args, backend="gpu", interpret=True)
 
 
-@pytest.mark.parametrize("batch, q_len, d, dv, kv, sinks, vt", [
-    (1, 1, 128, 128, jnp.bfloat16, False, False),   # batch-1 decode: KV splits, the combine
-    (64, 4, 128, 128, jnp.bfloat16, False, False),  # a verify over a full wave: unsplit
-    (64, 1, 128, 128, FP8, False, False),  # fp8 pages (the 2-warp tiling), scales
-    (64, 1, 128, 128, FP8, False, True),   # fp8, value pages transposed (the cache's layout)
-    (1, 1, 128, 128, FP8, False, True),    # the same with KV splits
-    (2, 256, 128, 128, FP8, False, True),  # a prefill chunk over transposed fp8 value pages
-    (2, 256, 128, 128, jnp.bfloat16, False, False),  # a prefill chunk: the 128-row tiling
-    (2, 4, 192, 128, jnp.bfloat16, True, False),     # D 192 (128 + 64), Dv 128, sinks
-], ids=["decode-split", "verify", "fp8", "fp8-vt", "fp8-vt-split", "fp8-vt-prefill",
-        "prefill", "d192-sinks"])
-def test_gpu_kernel_lowers_to_triton(batch, q_len, d, dv, kv, sinks, vt):
+@pytest.mark.parametrize("batch, q_len, d, dv, kv, sinks", [
+    (1, 1, 128, 128, jnp.bfloat16, False),       # batch-1 decode: KV splits, the combine
+    (64, 4, 128, 128, jnp.bfloat16, False),      # a verify over a full wave: unsplit
+    (64, 1, 128, 128, jnp.float8_e4m3fn, False),  # fp8 pages (the 2-warp tiling), scales
+    (2, 256, 128, 128, jnp.bfloat16, False),     # a prefill chunk: the 128-row tiling
+    (2, 4, 192, 128, jnp.bfloat16, True),        # D 192 (128 + 64), Dv 128, sinks
+], ids=["decode-split", "verify", "fp8", "prefill", "d192-sinks"])
+def test_gpu_kernel_lowers_to_triton(batch, q_len, d, dv, kv, sinks):
   """The GPU kernel's Triton lowering on any host (the packed-row gather from q, the
   unpacked stores and the split combine included): what interpret mode does not cover,
   short of compiling PTX on a GPU."""
   hq, kvh, ps, width = 32, 8, 16, 64
   f = jax.ShapeDtypeStruct
   args = (f((batch, q_len, hq, d), jnp.bfloat16), f((kvh, batch * width, ps, d), kv),
-          f((kvh, batch * width, *((dv, ps) if vt else (ps, dv))), kv),
-          f((batch, width), jnp.int32), f((batch,), jnp.int32))
+          f((kvh, batch * width, ps, dv), kv), f((batch, width), jnp.int32),
+          f((batch,), jnp.int32))
   extra = dict(sinks=f((hq,), jnp.float32) if sinks else None,
                k_scale=f((kvh,), jnp.float32) if kv != jnp.bfloat16 else None,
                v_scale=f((kvh,), jnp.float32) if kv != jnp.bfloat16 else None)
-  fn = jax.jit(lambda *a, **kw: paged_attention(*a, **kw, v_transposed=vt, backend="gpu"))
+  fn = jax.jit(lambda *a, **kw: paged_attention(*a, **kw, backend="gpu"))
   text = fn.trace(*args, **extra).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count('name = "paged_attention_gpu"') == 1  # one Triton kernel, no fallback
-
-
-def test_transposed_value_pages():
-  """The reference reads v_transposed pages as their row-layout pages, exactly; the
-  shapes are checked against the flag; the TPU kernel refuses them by name."""
-  case = CASES["q4_g2_ps8_fp8_window_sinks_split2"]
-  q, k, v, tables, kv_lens = make_inputs(case)
-  kw = case_kwargs(case)
-  want = paged_attention_reference(q, k, v, tables, kv_lens, **kw)
-  got = paged_attention(q, k, v.swapaxes(2, 3), tables, kv_lens, v_transposed=True,
-                        backend="reference", **kw)
-  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-  with pytest.raises(ValueError, match="v_transposed"):
-    paged_attention(q, k, v, tables, kv_lens, v_transposed=True, backend="reference", **kw)
-  with pytest.raises(ValueError, match="tpu paged-attention kernel reads value pages"):
-    paged_attention(q, k, v.swapaxes(2, 3), tables, kv_lens, v_transposed=True,
-                    backend="tpu", interpret=True, **kw)
