@@ -35,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pallas_kernels.swiglu_matmul import swiglu_matmul, use_kernel as use_swiglu_kernel
+from pallas_kernels.swiglu_matmul import swiglu, swiglu_matmul
+from pallas_kernels.swiglu_matmul import use_kernel as use_swiglu_kernel
 
 from .config import ModelConfig, yarn_mscale
 from .quant import is_quantized, qeinsum, take_rows, value
@@ -213,15 +214,6 @@ class MLP(nnx.Module):
             gu = qeinsum("btd,dcf->btcf", x, w)
             h = swiglu(gu[:, :, 0], gu[:, :, 1], self.limit)
         return qeinsum("btf,fd->btd", h, self.down)
-
-
-def swiglu(gate, up, limit=None):
-    """silu(gate) * up, clamped as Step-3.5 does when `limit` is set."""
-    act = jax.nn.silu(gate)
-    if limit is not None:
-        act = jnp.minimum(act, limit)
-        up = jnp.clip(up, -limit, limit)
-    return act * up
 
 
 class Block(nnx.Module):

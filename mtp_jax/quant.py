@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import QUANT_MODES, ConfigError
+from .sharding import one_device
 
 MODES = QUANT_MODES
 FP8 = jnp.float8_e4m3fn
@@ -324,20 +325,12 @@ def _as_matrix(xs, ws, out, x_shape, w: QArray, contract):
     return (math.prod(x_shape[: len(x_shape) - c]), math.prod(sizes), math.prod(w.shape[c:]))
 
 
-def _one_device() -> bool:
-    """No multi-device mesh is active: under one every quantized product takes the XLA
-    path."""
-    from .sharding import one_device
-
-    return one_device()
-
-
 def reads_head_copy(rows: int) -> bool:
     """Whether a draft product of `rows` rows reads the quantized copy of its head
     (checkpoint.with_draft_head): up to DRAFT_HEAD_MAX_ROWS, through the kernel, on one
     device (under a multi-device mesh XLA runs every quantized product, and the bf16 head
     streams faster than XLA's path for it in a cuBLAS program)."""
-    return rows <= DRAFT_HEAD_MAX_ROWS and _one_device()
+    return rows <= DRAFT_HEAD_MAX_ROWS and one_device()
 
 
 def _use_kernel(mkn: tuple, s: int, per_channel: bool, values_dtype=None,
@@ -355,7 +348,7 @@ def _use_kernel(mkn: tuple, s: int, per_channel: bool, values_dtype=None,
     m, k, n = mkn
     if backend == "reference" or m > limit or not fits(m, k, n, s, backend, values_dtype):
         return False
-    return _one_device()
+    return one_device()
 
 
 # ------------------------------------------------------------------ fp8 KV scales

@@ -44,15 +44,22 @@ MIN_COLUMNS = 4096
 DTYPES = (jnp.bfloat16, jnp.float16)
 
 
+def swiglu(gate, up, limit=None):
+  """silu(gate) * up in the inputs' dtype, clamped as Step-3.5 does when `limit` is set:
+  min(silu(gate), L) * clip(up, -L, L). The model's SwiGLU, the reference's and the GPU
+  kernel's epilogue (min / max rather than clip, which is the same value)."""
+  act = jax.nn.silu(gate)
+  if limit is not None:
+    act = jnp.minimum(act, limit)
+    up = jnp.minimum(jnp.maximum(up, -limit), limit)
+  return act * up
+
+
 def reference(x, gate_up, limit=None):
   """[M, F]: the products in x.dtype, silu(g) * u in f32, rounded to x.dtype."""
   gu = jnp.einsum("mk,kcf->mcf", x, gate_up)
-  g, u = gu[:, 0].astype(jnp.float32), gu[:, 1].astype(jnp.float32)
-  act = g * jax.nn.sigmoid(g)
-  if limit is not None:
-    act = jnp.minimum(act, limit)
-    u = jnp.clip(u, -limit, limit)
-  return (act * u).astype(x.dtype)
+  return swiglu(gu[:, 0].astype(jnp.float32), gu[:, 1].astype(jnp.float32),
+                limit).astype(x.dtype)
 
 
 def is_hopper(device=None) -> bool:

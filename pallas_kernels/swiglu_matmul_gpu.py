@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import check_positive_ints
-
+from pallas_kernels.swiglu_matmul import swiglu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,11 +121,7 @@ def _swiglu_matmul_kernel(x_gmem, w_gmem, o_gmem, *, block: BlockConfig, limit):
           plgpu.wgmma_wait(0)
           g = acc_g[...].astype(dtype).astype(jnp.float32)
           u = acc_u[...].astype(dtype).astype(jnp.float32)
-          act = g * jax.nn.sigmoid(g)
-          if limit is not None:
-            act = jnp.minimum(act, limit)
-            u = jnp.minimum(jnp.maximum(u, -limit), limit)
-          y = (act * u).astype(dtype)
+          y = swiglu(g, u, limit).astype(dtype)
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last tile's store has read it
           out_smem[wg] = y
           plgpu.commit_smem()
