@@ -10,10 +10,11 @@ whose executables JAX cannot serialize (host callbacks, e.g. Pallas interpret mo
 simply compiled each time.
 
 JAX's cache saves XLA's work, but finding a program in it still means tracing the program
-and lowering it to compute its key: most of a warm start on CPU. So an engine on one
-device also keeps each program's executable whole (`ExecutableStore`, the folder's
-`executables/`), keyed by everything the program is built from: this package's and
-`pallas_kernels`' source, the jax / jaxlib versions, the device, `XLA_FLAGS`, the kernel
+and lowering it to compute its key: most of a warm start on CPU. So an engine (on one
+device or a mesh of one process) also keeps each program's executable whole
+(`ExecutableStore`, the folder's `executables/`), keyed by everything the program is built
+from: this package's and `pallas_kernels`' source, the jax / jaxlib versions, the devices,
+`XLA_FLAGS`, the kernel
 back-end switches (`MTP_JAX_*_BACKEND`) and jax options read while tracing, the program's
 name, the engine's static configuration, the model's graph and the arguments' shapes,
 dtypes and placement. A later engine with the same key loads the executable and calls it:
@@ -22,8 +23,18 @@ cache (`_compile_fresh` says why). What cannot be saved or loaded (a host callba
 from another jaxlib) is compiled as before. The saved files are native code loaded
 and run (as JAX's own cache entries are): the folder must be one only the user writes.
 
+A saved executable runs on the devices it was compiled for: the file records their ids in
+the executable's own order and the load binds it to those devices (loaded for every device
+the process sees instead, a one-device program is refused when called on a machine of
+several devices; a mesh program in another device order can abort the process). The key
+holds those devices' ids and kinds, the mesh, and the client memory settings
+(`XLA_PYTHON_CLIENT_*`) and TPU flags (`LIBTPU_INIT_ARGS`) that XLA compiles against. An
+executable that cannot be loaded here, or whose first call is refused, is compiled afresh
+and its file replaced (`CacheStats.replaced`); an error the fresh executable raises too is
+the program's own and surfaces.
+
 `CacheStats` counts hits and misses from JAX's own monitoring events, and the executables
-loaded and saved, for run summaries.
+loaded, saved and replaced, for run summaries.
 """
 
 from __future__ import annotations
@@ -42,7 +53,7 @@ ENV_VAR = "MTP_JAX_COMPILE_CACHE"
 OFF = ("off", "0", "false", "none", "no")
 
 _lock = threading.Lock()
-_counts = {"hits": 0, "misses": 0, "loaded": 0, "saved": 0}
+_counts = {"hits": 0, "misses": 0, "loaded": 0, "saved": 0, "replaced": 0}
 _listening = False
 _disabled = False
 
@@ -119,17 +130,24 @@ class CacheStats:
     misses = property(lambda self: self._since("misses"))
     loaded = property(lambda self: self._since("loaded"))  # executables loaded whole
     saved = property(lambda self: self._since("saved"))
+    # saved executables that could not be used here (load or first call refused): compiled
+    # afresh and their files rewritten
+    replaced = property(lambda self: self._since("replaced"))
 
     def __str__(self) -> str:
         folder = jax.config.jax_compilation_cache_dir
         if not folder:
             return "compile cache off"
-        return (f"compile cache {self.hits} hits / {self.misses} misses, executables "
+        line = (f"compile cache {self.hits} hits / {self.misses} misses, executables "
                 f"{self.loaded} loaded / {self.saved} saved ({folder})")
+        if self.replaced:
+            line += (f"\ncompile cache: {self.replaced} saved executables could not run here "
+                     f"and were compiled afresh (their files replaced)")
+        return line
 
 
 # ------------------------------------------------------------------ saved executables
-_FORMAT = 1  # bump when what is saved, or how the key is made, changes
+_FORMAT = 2  # bump when what is saved, or how the key is made, changes
 
 
 @functools.cache
@@ -147,8 +165,17 @@ def _source_digest() -> str:
     return h.hexdigest()
 
 
+# Environment variables XLA reads when it compiles or sizes its client: compile flags and
+# the client's memory settings (an executable tuned against one memory budget is not one
+# to reuse under another).
+_COMPILE_ENV = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+                "XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE",
+                "XLA_PYTHON_CLIENT_ALLOCATOR", "TF_GPU_ALLOCATOR")
+
+
 def _environment() -> str:
-    """What else shapes a traced or compiled program: versions, device, flags, switches."""
+    """What else shapes a traced or compiled program: versions, platform, flags, switches.
+    (The devices a program runs on are keyed per program: `_placement`.)"""
     import jaxlib
 
     dev = jax.devices()[0]
@@ -158,8 +185,45 @@ def _environment() -> str:
         "jax_enable_x64", "jax_default_matmul_precision", "jax_numpy_rank_promotion",
         "jax_default_prng_impl", "jax_threefry_partitionable")]
     return repr((_FORMAT, _source_digest(), jax.__version__, jaxlib.__version__,
-                 dev.platform, dev.device_kind, dev.client.platform_version,
-                 os.environ.get("XLA_FLAGS", ""), switches, options))
+                 dev.platform, dev.client.platform_version, jax.process_count(),
+                 [(k, os.environ.get(k)) for k in _COMPILE_ENV], switches, options))
+
+
+def _sharding_devices(sharding) -> tuple:
+    """The devices of a sharding in its layout order: a mesh's in mesh order (a program over
+    the same devices in another order is another program), else sorted by id."""
+    mesh = getattr(sharding, "mesh", None)
+    devices = getattr(mesh, "devices", None)
+    if devices is not None:
+        return tuple(devices.flat)
+    return tuple(sorted(sharding.device_set, key=lambda d: d.id))
+
+
+def _placement(args) -> str:
+    """The devices the arguments live on, with each device's kind: part of every key, so an
+    executable is only ever looked up for the devices (and kinds) it was compiled for."""
+    seen = []
+    for x in jax.tree_util.tree_leaves(args):
+        sharding = getattr(x, "sharding", None)
+        if sharding is None:
+            continue
+        devices = tuple((d.id, d.device_kind) for d in _sharding_devices(sharding))
+        if devices not in seen:
+            seen.append(devices)
+    if not seen:  # no array argument: the program runs on the default device
+        d = jax.devices()[0]
+        seen.append(((d.id, d.device_kind),))
+    return repr(seen)
+
+
+def _device_ids(compiled) -> list:
+    """The ids of the devices an executable was compiled for, in its own order (the order
+    its shards are laid out in), which is the order the load must bind it to."""
+    unloaded = compiled._executable._unloaded_executable
+    devices = getattr(unloaded, "device_list", None)
+    if devices is None:  # a jax that keeps only the runtime executable's list
+        devices = compiled._executable.xla_executable.local_devices()
+    return [d.id for d in devices]
 
 
 def _mosaic_gpu_runtime() -> None:
@@ -202,28 +266,41 @@ class ExecutableStore:
         _mosaic_gpu_runtime()
 
     def key(self, name: str, context: str, args) -> str:
-        text = "\0".join((self._env, name, context, _signature(args)))
+        text = "\0".join((self._env, name, context, _signature(args), _placement(args)))
         return hashlib.sha256(text.encode()).hexdigest()
 
-    def get(self, jitted, name: str, context: str, args) -> Callable:
-        """The executable of `jitted(*args)`: loaded if saved before, else compiled (not
-        through JAX's own cache, see _compile_fresh) and saved."""
-        from jax.experimental import serialize_executable
+    def _path(self, name: str, context: str, args) -> str:
+        return os.path.join(self.folder, self.key(name, context, args) + ".bin")
 
-        path = os.path.join(self.folder, self.key(name, context, args) + ".bin")
-        try:
-            with open(path, "rb") as f:
-                blob, in_tree, out_tree = pickle.load(f)
-            compiled = serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
-        except Exception:  # noqa: BLE001 (not saved yet, damaged, from another jaxlib)
-            pass
-        else:
+    def get(self, jitted, name: str, context: str, args) -> tuple[Callable, bool]:
+        """(executable of `jitted(*args)`, whether it was loaded): loaded if saved before
+        and loadable here, else compiled (not through JAX's own cache, see _compile_fresh)
+        and saved. A file that exists but cannot be loaded is replaced."""
+        path = self._path(name, context, args)
+        compiled = _load(path) if os.path.exists(path) else None
+        if compiled is not None:
             with _lock:
                 _counts["loaded"] += 1
-            return compiled
+            return compiled, True
+        if os.path.exists(path):
+            with _lock:
+                _counts["replaced"] += 1
+        return self._compile_and_save(jitted, path, args), False
+
+    def replace(self, jitted, name: str, context: str, args) -> Callable:
+        """A loaded executable whose first call was refused: compile it afresh and overwrite
+        its file."""
+        with _lock:
+            _counts["replaced"] += 1
+        return self._compile_and_save(jitted, self._path(name, context, args), args)
+
+    def _compile_and_save(self, jitted, path: str, args) -> Callable:
+        from jax.experimental import serialize_executable
+
         compiled = _compile_fresh(jitted.lower(*args))
         try:
-            data = pickle.dumps(serialize_executable.serialize(compiled))
+            blob, in_tree, out_tree = serialize_executable.serialize(compiled)
+            data = pickle.dumps((blob, in_tree, out_tree, _device_ids(compiled)))
         except Exception:  # noqa: BLE001 (host callbacks, constants: not serializable)
             return compiled
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
@@ -241,6 +318,24 @@ class ExecutableStore:
         with _lock:
             _counts["saved"] += 1
         return compiled
+
+
+def _load(path: str):
+    """The executable saved at `path`, bound to the devices it was compiled for; None when it
+    cannot be loaded here (damaged, another jaxlib, a device this process lacks)."""
+    from jax.experimental import serialize_executable
+
+    try:
+        with open(path, "rb") as f:
+            blob, in_tree, out_tree, ids = pickle.load(f)
+        local = {d.id: d for d in jax.local_devices()}
+        if not ids or any(i not in local for i in ids):
+            return None
+        return serialize_executable.deserialize_and_load(
+            blob, in_tree, out_tree, backend=local[ids[0]].client,
+            execution_devices=[local[i] for i in ids])
+    except Exception:  # noqa: BLE001 (damaged, another format or jaxlib)
+        return None
 
 
 def _compile_fresh(lowered):
@@ -266,7 +361,8 @@ _stores: dict = {}  # folder -> ExecutableStore
 
 def executable_store() -> Optional[ExecutableStore]:
     """The store of this process's cache folder; None when the cache is off or the process
-    is one of several (multi-host programs are not saved)."""
+    is one of several (multi-host programs are not saved: each process would hold only its
+    part of an executable whose other parts live in processes it cannot check)."""
     folder = jax.config.jax_compilation_cache_dir
     if not folder or jax.process_count() > 1:
         return None

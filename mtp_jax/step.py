@@ -480,16 +480,19 @@ def prefill_finish(model, s: Static, st: DecodeState, slots, logits, prompt_len)
 
 # ---------------------------------------------------------------------------- programs
 class Program:
-    """One engine program on one device with the compile cache on: its executables,
-    loaded from or saved to the cache folder (`compile_cache.ExecutableStore`), so a warm
-    start calls them without tracing (otherwise programs are plain jitted functions). One
-    executable per signature of the leaf arguments (the prefill row counts); a call whose
-    params or state differ from the executable's (the executable refuses it before running)
-    finds or compiles its own."""
+    """One engine program with the compile cache on: its executables, loaded from or saved
+    to the cache folder (`compile_cache.ExecutableStore`), so a warm start calls them
+    without tracing (otherwise programs are plain jitted functions). One executable per
+    signature of the leaf arguments (the prefill row counts); a call whose params or state
+    differ from the executable's (the executable refuses it before running) finds or
+    compiles its own. A loaded executable whose first call fails is compiled afresh and
+    called again (the store replaces its file), unless that call consumed its donated
+    arguments: then, as for any error of the fresh one, the error is the caller's."""
 
     def __init__(self, jitted, name: str, store, context: str):
         self.jitted, self.name, self.store, self.context = jitted, name, store, context
         self._by_args: dict = {}
+        self._unproven: set = set()  # signatures whose loaded executable has not run yet
 
     @staticmethod
     def _sig(args) -> tuple:
@@ -498,14 +501,29 @@ class Program:
                      for a in args if not isinstance(a, (dict, nnx.State, DecodeState))
                      for x in jax.tree_util.tree_leaves(a))
 
+    def _fetch(self, sig, args):
+        fn, loaded = self.store.get(self.jitted, self.name, self.context, args)
+        self._by_args[sig] = fn
+        if loaded:
+            self._unproven.add(sig)
+        else:
+            self._unproven.discard(sig)
+        return fn
+
     def __call__(self, *args):
         sig, fn = self.prepare(*args)
         try:
-            return fn(*args)
+            out = fn(*args)
         except TypeError:  # other params or state than this executable's: nothing ran
-            fn = self.store.get(self.jitted, self.name, self.context, args)
-            self._by_args[sig] = fn
-            return fn(*args)
+            return self._fetch(sig, args)(*args)
+        except Exception:
+            if sig not in self._unproven or _any_deleted(args):
+                raise
+            fn = self._by_args[sig] = self.store.replace(self.jitted, self.name,
+                                                         self.context, args)
+            out = fn(*args)
+        self._unproven.discard(sig)
+        return out
 
     def prepare(self, *args) -> tuple:
         """(signature, executable) for these arguments, loaded (or compiled and saved)
@@ -513,11 +531,17 @@ class Program:
         sig = self._sig(args)
         fn = self._by_args.get(sig)
         if fn is None:
-            fn = self._by_args[sig] = self.store.get(self.jitted, self.name, self.context, args)
+            fn = self._fetch(sig, args)
         return sig, fn
 
     def _cache_size(self) -> int:
         return self.jitted._cache_size() + len(self._by_args)
+
+
+def _any_deleted(args) -> bool:
+    """Whether a failed call consumed (donated) any of its array arguments."""
+    return any(getattr(x, "is_deleted", lambda: False)()
+               for x in jax.tree_util.tree_leaves(args))
 
 
 def prepare(program, *args):
@@ -585,8 +609,8 @@ class Programs:
 
     With a mesh, `state_sharding` / `params_sharding` pin the shardings of inputs and
     outputs so a program's output feeds the next call without a reshard or recompile.
-    Without one, each program keeps its executables in the compile cache's store when the
-    cache is on (`Program`).
+    Each program keeps its executables in the compile cache's store when the cache is on
+    (`Program`); the store keys them by the devices they run on.
     """
 
     static: Static
@@ -599,12 +623,15 @@ class Programs:
 
     @functools.cached_property
     def _store(self):
-        return None if self.static.mesh is not None else compile_cache.executable_store()
+        return compile_cache.executable_store()
 
     @functools.cached_property
     def _context(self) -> str:
-        """What the programs are traced from besides their arguments, for the store's keys."""
-        return hashlib.sha256(repr((self.static, self.graphdef)).encode()).hexdigest()
+        """What the programs are traced from besides their arguments, for the store's keys
+        (a mesh's repr names its axes, not its devices: those are added in mesh order)."""
+        mesh = self.static.mesh
+        devices = None if mesh is None else [(d.id, d.device_kind) for d in mesh.devices.flat]
+        return hashlib.sha256(repr((self.static, self.graphdef, devices)).encode()).hexdigest()
 
     def _jit(self, fn, n_extra: int, *, name: str, with_params=True, logits=False,
              compiler_options=None):

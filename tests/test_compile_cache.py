@@ -13,6 +13,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from mtp_jax import compile_cache
 from mtp_jax.compile_cache import CacheStats, ExecutableStore
@@ -57,6 +58,11 @@ def test_keys_follow_name_context_arguments_and_switches(tmp_path, monkeypatch):
               store.key("p", "ctx", (jnp.zeros((2, 3), jnp.float32), jnp.int32(4)))]
     monkeypatch.setenv("MTP_JAX_ATTENTION_BACKEND", "reference")  # read while tracing
     others.append(ExecutableStore(str(tmp_path)).key("p", "ctx", x))
+    # what XLA compiles against: TPU flags, the client's memory budget
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_enable_latency_hiding_scheduler=true")
+    others.append(ExecutableStore(str(tmp_path)).key("p", "ctx", x))
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", ".5")
+    others.append(ExecutableStore(str(tmp_path)).key("p", "ctx", x))
     assert len({base, *others}) == len(others) + 1
 
 
@@ -69,9 +75,89 @@ def test_damaged_entry_is_compiled_again_and_rewritten(tmp_path):
     stats = CacheStats()
     np.testing.assert_array_equal(Program(jax.jit(_double), "double", store, "ctx")(x),
                                   x * 2 + 1)
-    assert (stats.loaded, stats.saved) == (0, 1)
+    assert (stats.loaded, stats.saved, stats.replaced) == (0, 1, 1)
     Program(jax.jit(_double), "double", store, "ctx")(x)
-    assert stats.loaded == 1
+    assert (stats.loaded, stats.replaced) == (1, 1)
+
+
+def test_entry_of_the_earlier_format_is_compiled_again(tmp_path):
+    """A file without the executable's devices (the store's first format) is not loaded for
+    whatever devices this process has: it is compiled afresh and replaced."""
+    import pickle
+
+    store = ExecutableStore(str(tmp_path))
+    x = np.arange(5, dtype=np.float32)
+    Program(jax.jit(_double), "double", store, "ctx")(x)
+    (path,) = [tmp_path / f for f in os.listdir(tmp_path)]
+    blob, in_tree, out_tree, ids = pickle.loads(path.read_bytes())
+    assert ids == [jax.devices()[0].id]
+    path.write_bytes(pickle.dumps((blob, in_tree, out_tree)))
+    stats = CacheStats()
+    Program(jax.jit(_double), "double", ExecutableStore(str(tmp_path)), "ctx")(x)
+    assert (stats.loaded, stats.saved, stats.replaced) == (0, 1, 1)
+    assert len(pickle.loads(path.read_bytes())) == 4
+
+
+class _Store:
+    """A store whose saved executable is `loaded` and whose fresh compile is `fresh`."""
+
+    def __init__(self, loaded, fresh):
+        self.loaded, self.fresh, self.replaced = loaded, fresh, 0
+
+    def get(self, jitted, name, context, args):
+        return self.loaded, True
+
+    def replace(self, jitted, name, context, args):
+        self.replaced += 1
+        return self.fresh
+
+
+def _refuse(*args):
+    raise jax.errors.JaxRuntimeError("INVALID_ARGUMENT: refused")
+
+
+def test_refused_first_call_of_a_loaded_executable_runs_a_fresh_compile():
+    x = np.arange(3, dtype=np.float32)
+    store = _Store(_refuse, jax.jit(_double))
+    prog = Program(jax.jit(_double), "double", store, "ctx")
+    np.testing.assert_array_equal(prog(x), x * 2 + 1)
+    np.testing.assert_array_equal(prog(x), x * 2 + 1)  # the fresh executable is kept
+    assert store.replaced == 1
+
+
+def test_errors_of_the_program_itself_surface():
+    """A fresh compile that fails the same way is the program's error; so is any failure
+    of a call that consumed its donated arguments (there is nothing left to run again),
+    and any failure of an executable that already ran."""
+    x = np.arange(3, dtype=np.float32)
+    store = _Store(_refuse, _refuse)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="refused"):
+        Program(jax.jit(_double), "double", store, "ctx")(x)
+    assert store.replaced == 1
+
+    def consume(a):
+        a.delete()
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+    store = _Store(consume, jax.jit(_double))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="out of memory"):
+        Program(jax.jit(_double), "double", store, "ctx")(jnp.asarray(x))
+    assert store.replaced == 0
+
+    calls = []
+
+    def once(a):
+        calls.append(a)
+        if len(calls) > 1:
+            raise jax.errors.JaxRuntimeError("INTERNAL: failed later")
+        return a
+
+    store = _Store(once, jax.jit(_double))
+    prog = Program(jax.jit(_double), "double", store, "ctx")
+    prog(x)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="failed later"):
+        prog(x)
+    assert store.replaced == 0
 
 
 def _broadcast_sum(x, n):
