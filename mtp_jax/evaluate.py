@@ -522,7 +522,8 @@ def main(argv=None) -> int:
     log(str(cache))
     report["compile_cache"] = {"hits": cache.hits, "misses": cache.misses,
                                "executables_loaded": cache.loaded,
-                               "executables_saved": cache.saved}
+                               "executables_saved": cache.saved,
+                               "executables_replaced": cache.replaced}
     if "teacher_forced" in report:
         print(format_tf_table(report["teacher_forced"]))
     else:
