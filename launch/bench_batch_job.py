@@ -10,7 +10,8 @@
 The 7-8B shape of launch/bench_decode.py with its oracle weights (every draft agrees),
 `requests` random prompts of `prompt-len` tokens and `new-tokens` new tokens each, one
 engine per method and prefill batch (requests prefilled together: 1 is one request per
-prefill forward, as before batched prefill; `auto` the engine's default), compiled and
+prefill forward, the baseline that batched prefill is measured against; `auto` the
+engine's default), compiled and
 warmed up first, compile reported apart; the job run through `Engine.generate`, best of
 --reps. Reported per run:
 - wall seconds and generated tokens/s;
@@ -135,7 +136,7 @@ def prefill_flops(cfg: ModelConfig, prompt_len: int, mtp: bool) -> float:
 
 class ReservingEngine(TimedEngine):
     """Admission reserves every position a request may write (prompt + max_tokens + K),
-    the rule before pages on demand: nothing grows, nothing is preempted."""
+    the baseline for pages on demand: nothing grows, nothing is preempted."""
 
     def _admit_tokens(self, req):
         return self._reserve_tokens(req)
