@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import numbers
 import os
 from typing import Any, Optional, Union
+
+from .specs import at_layer as _at
+from .specs import layer_spec
 
 LAYOUTS = ("mimo", "deepseek_v3", "glm4_moe", "qwen3_next", "step3p5", "mimo_v2_flash")
 # layouts whose loaders know expert tensors
@@ -146,11 +148,6 @@ class MoEConfig:
         if self.shared_intermediate_size is not None:
             return self.shared_intermediate_size
         return self.num_shared * self.intermediate_size
-
-
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's magnitude scale 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1)."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -377,7 +374,6 @@ class ModelConfig:
         """The per-layer spec (attention, FFN) of target layer `layer`, or of MTP module
         `layer - num_layers` (MTP layers follow the target's layer numbering, as in the
         DeepSeek / GLM checkpoints)."""
-        from .specs import layer_spec  # specs imports this module
         return layer_spec(self, layer)
 
     def block_params(self, layer: int) -> int:
@@ -453,13 +449,6 @@ class ModelConfig:
 PER_LAYER_FIELDS = ("layer_num_heads", "layer_num_kv_heads", "layer_rope_theta",
                     "layer_partial_rotary", "layer_sinks", "layer_rope_scaled",
                     "swiglu_limits", "swiglu_limits_shared")
-
-
-def _at(values: tuple, i: int, default):
-    """values[i], or `default` where the per-layer tuple is empty or holds None there."""
-    if not values or values[i] is None:
-        return default
-    return values[i]
 
 
 def _fill(values, n, name):
