@@ -4,6 +4,7 @@
 runs batches with one of the draft strategies; `python -m mtp_jax.generate` is the CLI.
 """
 
+from . import models  # noqa: F401  (registers the families' layouts with ModelConfig)
 from .checkpoint import (CheckpointError, Model, load, quantize_model, save_hf, save_orbax,
                          with_draft_head)
 from .config import ConfigError, EngineConfig, ModelConfig, SamplingParams, SpecConfig

@@ -22,7 +22,8 @@ Parameter layouts (einsum letters as model.py, plus r latent, p nope dims, e rop
 c q_lora rank): q_a [d, c] + q_a_norm + q_b [c, n, p + e] (or q [d, n, p + e]),
 kv_a [d, r + e], kv_a_norm [r], w_uk [n, p, r], w_uv [n, r, v], o [n, v, d]. The rope
 dims of q_b / q and kv_a are stored rotate-half ordered; DeepSeek's interleaved pairs
-are permuted at load (checkpoint.py), which leaves every dot product unchanged.
+are permuted at load (models/tensors.py, `mla_entries`), which leaves every dot product
+unchanged.
 """
 
 from __future__ import annotations

@@ -38,10 +38,10 @@ from flax import nnx
 from pallas_kernels.swiglu_matmul import swiglu, swiglu_matmul
 from pallas_kernels.swiglu_matmul import use_kernel as use_swiglu_kernel
 
-from .config import ModelConfig, yarn_mscale
+from .config import ModelConfig
 from .quant import is_quantized, qeinsum, take_rows, value
 from .sharding import one_device
-from .specs import AttentionSpec, LayerSpec, RopeSpec, rope_spec
+from .specs import AttentionSpec, LayerSpec, RopeSpec, rope_spec, yarn_mscale
 
 # attend(layer, q[b,t,n,h], k[b,t,k,h], v[b,t,k,u], window, *, sm_scale=None, v_dim=None,
 #        sinks=None) -> [b,t,n,u]:

@@ -14,6 +14,10 @@ architecture adds a spec kind and a module, not a flag threaded through one `Blo
 - `DenseFFN` (SwiGLU of `intermediate_size`, optionally clamped) or `MoEConfig`
   (config.py: router, routed and shared experts, their clamps for this layer).
 
+This module sits below config.py: it reads a `ModelConfig` it is handed (config.py's
+`ModelConfig.layer_spec` calls `layer_spec` here) and imports nothing from it, so the
+per-layer lookup `at_layer` and YaRN's `yarn_mscale` live here.
+
 Layer numbering follows the checkpoints: target layers 0..N-1, then MTP module k is
 layer N + k (DeepSeek-V3 / GLM put it at `model.layers.{N + k}`), which is also what
 decides dense vs MoE for it (`first_k_dense_replace`).
@@ -22,16 +26,30 @@ decides dense vs MoE for it (`first_k_dense_replace`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+import math
+from typing import Any, Optional, Union
 
-from .config import MLAConfig, ModelConfig, MoEConfig, RopeScaling, _at, yarn_mscale
+# `cfg` below is a config.ModelConfig; the config types are named in comments only, since
+# config.py imports this module.
+
+
+def at_layer(values: tuple, i: int, default):
+    """values[i], or `default` where the per-layer tuple is empty or holds None there."""
+    if not values or values[i] is None:
+        return default
+    return values[i]
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude scale 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeSpec:
     theta: float
     rotary_dim: int  # leading dims of each head that rotate (partial RoPE: < head_dim)
-    scaling: Optional[RopeScaling] = None
+    scaling: Optional[Any] = None  # config.RopeScaling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +81,7 @@ class AttentionSpec:
 class MLASpec:
     kind: str  # "mla"
     num_heads: int
-    mla: MLAConfig
+    mla: Any  # config.MLAConfig
     rope: RopeSpec
     sm_scale: float  # qk_head_dim ** -0.5, times yarn's mscale(all_dim) ** 2 (DeepSeek)
     window: Optional[int] = None
@@ -75,7 +93,7 @@ class DenseFFN:
     swiglu_limit: Optional[float] = None  # min(silu(gate), L) * clip(up, -L, L)
 
 
-FFNSpec = Union[DenseFFN, MoEConfig]
+FFNSpec = Union[DenseFFN, Any]  # DenseFFN or config.MoEConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,20 +105,20 @@ class LayerSpec:
 
     @property
     def is_moe(self) -> bool:
-        return isinstance(self.ffn, MoEConfig)
+        return not isinstance(self.ffn, DenseFFN)
 
 
-def rope_spec(cfg: ModelConfig, layer: Optional[int] = None) -> RopeSpec:
+def rope_spec(cfg, layer: Optional[int] = None) -> RopeSpec:
     """The RoPE of a layer (per-layer theta / rotary fraction), or the config's default."""
     if layer is None:
         return RopeSpec(theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim,
                         scaling=cfg.rope_scaling)
-    scaled = _at(cfg.layer_rope_scaled, layer, True)
+    scaled = at_layer(cfg.layer_rope_scaled, layer, True)
     return RopeSpec(theta=cfg.rope_theta_of(layer), rotary_dim=cfg.rotary_dim_of(layer),
                     scaling=cfg.rope_scaling if scaled else None)
 
 
-def mla_spec(cfg: ModelConfig, window=None) -> MLASpec:
+def mla_spec(cfg, window=None) -> MLASpec:
     scale = cfg.mla.qk_head_dim ** -0.5
     rs = cfg.rope_scaling
     if rs is not None and rs.kind == "yarn" and rs.mscale_all_dim:
@@ -109,7 +127,7 @@ def mla_spec(cfg: ModelConfig, window=None) -> MLASpec:
                    sm_scale=scale, window=window)
 
 
-def layer_spec(cfg: ModelConfig, layer: int) -> LayerSpec:
+def layer_spec(cfg, layer: int) -> LayerSpec:
     if not 0 <= layer < cfg.num_layers_total:
         raise IndexError(f"layer {layer} out of range (0..{cfg.num_layers_total - 1})")
     window = (cfg.sliding_windows[layer] if layer < cfg.num_layers
@@ -123,14 +141,14 @@ def layer_spec(cfg: ModelConfig, layer: int) -> LayerSpec:
             kind="gqa", num_heads=heads, num_kv_heads=kv_heads, head_dim=cfg.head_dim,
             rope=rope_spec(cfg, layer), window=window, qkv_bias=cfg.attention_bias,
             qk_norm=cfg.qk_norm, v_head_dim=cfg.v_head_dim,
-            sinks=bool(_at(cfg.layer_sinks, layer, False)),
+            sinks=bool(at_layer(cfg.layer_sinks, layer, False)),
             gate=cfg.attention_gate, value_scale=cfg.attention_value_scale,
             sm_scale=None if scalar is None else float(scalar) ** -0.5)
     moe = cfg.moe
     # ModelConfig keeps no-clamp entries (0 or null in the hub lists) as None.
-    shared_limit = _at(cfg.swiglu_limits_shared, layer, None)
+    shared_limit = at_layer(cfg.swiglu_limits_shared, layer, None)
     if moe is not None and moe.is_moe_layer(layer):
-        ffn = dataclasses.replace(moe, swiglu_limit=_at(cfg.swiglu_limits, layer, None),
+        ffn = dataclasses.replace(moe, swiglu_limit=at_layer(cfg.swiglu_limits, layer, None),
                                   shared_swiglu_limit=shared_limit)
     else:
         # A dense layer's MLP is clamped by the shared-expert bound (Step-3.5's dense
@@ -140,5 +158,5 @@ def layer_spec(cfg: ModelConfig, layer: int) -> LayerSpec:
                      norm_offset=cfg.norm_offset)
 
 
-__all__ = ["RopeSpec", "AttentionSpec", "MLASpec", "mla_spec", "DenseFFN", "FFNSpec", "LayerSpec", "layer_spec",
-           "rope_spec"]
+__all__ = ["RopeSpec", "AttentionSpec", "MLASpec", "mla_spec", "DenseFFN", "FFNSpec", "LayerSpec",
+           "layer_spec", "rope_spec", "at_layer", "yarn_mscale"]

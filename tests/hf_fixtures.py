@@ -1,6 +1,6 @@
 """Small random HF checkpoints in each supported layout, and a numpy reference of their math.
 
-Written independently of `mtp_jax.checkpoint.save_hf` / `hf_key_map`: the config.json
+Written independently of `mtp_jax.checkpoint.save_hf` / the families' tensor maps: the config.json
 dicts follow each real layout's own style and the tensor names and shapes follow the
 public layout rules (HF `[out, in]` linear weights), so a loader that maps a name or a
 shape wrongly fails against these files instead of agreeing with itself.
@@ -38,7 +38,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from mtp_jax.checkpoint import write_safetensors
+from mtp_jax.checkpoint.safetensors_io import write_safetensors
 from mtp_jax.mtp import forward_train
 
 LAYOUTS = ("mimo", "deepseek_v3", "qwen3_next", "step3p5")

@@ -19,9 +19,9 @@ import pytest
 
 import hf_fixtures as F
 import mtp_jax
-from mtp_jax.checkpoint import (CheckpointError, default_dtype, load_hf, read_safetensors_header, save_hf,
-                                save_orbax, to_flat)
-from mtp_jax.config import ModelConfig
+from mtp_jax.checkpoint import CheckpointError, default_dtype, load_hf, save_hf, save_orbax, to_flat
+from mtp_jax.checkpoint.safetensors_io import read_safetensors_header
+from mtp_jax.models import from_hf
 
 T = 9  # tokens per row of the forward checks (the shape test_model compiles too)
 
@@ -76,7 +76,7 @@ def test_load_and_forward_matches_numpy_from_hf_tensors(layout, written, loaded)
     path, config, tensors = written(layout)
     model = loaded(layout)
     cfg = model.config
-    assert cfg == ModelConfig.from_hf(config)
+    assert cfg == from_hf(config)
     assert model.dtype == jnp.float32 and model.path == path
     assert model.eos_token_ids == (config["eos_token_id"],)
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, T)).astype(np.int32)

@@ -1,4 +1,4 @@
-"""ModelConfig.from_hf per layout, RoPE scaling parsing, and the validation errors of every
+"""models.from_hf per layout, RoPE scaling parsing, and the validation errors of every
 config dataclass (each error names the offending field)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import os
 import pytest
 
 from hf_fixtures import LAYOUTS, hf_config
-from mtp_jax.config import (ConfigError, EngineConfig, ModelConfig, RopeScaling,
-                            SamplingParams, SpecConfig)
+from mtp_jax.config import ConfigError, EngineConfig, RopeScaling, SamplingParams, SpecConfig
+from mtp_jax.models import from_hf, to_hf
 
 
 # ------------------------------------------------------------------ layout facts
@@ -41,7 +41,7 @@ EXPECTED = {
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_from_hf_layout_facts(layout):
-    cfg = ModelConfig.from_hf(hf_config(layout))
+    cfg = from_hf(hf_config(layout))
     assert cfg.layout == layout
     got = {k: getattr(cfg, k) for k in EXPECTED[layout]}
     assert got == EXPECTED[layout]
@@ -55,33 +55,33 @@ def test_from_hf_layout_facts(layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_from_hf_reads_a_file_or_folder(layout, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(hf_config(layout)))
-    want = ModelConfig.from_hf(hf_config(layout))
-    assert ModelConfig.from_hf(str(tmp_path)) == want
-    assert ModelConfig.from_hf(str(tmp_path / "config.json")) == want
+    want = from_hf(hf_config(layout))
+    assert from_hf(str(tmp_path)) == want
+    assert from_hf(str(tmp_path / "config.json")) == want
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_to_hf_round_trip(layout):
-    cfg = ModelConfig.from_hf(hf_config(layout))
-    again = ModelConfig.from_hf(json.loads(json.dumps(cfg.to_hf())))
+    cfg = from_hf(hf_config(layout))
+    again = from_hf(json.loads(json.dumps(to_hf(cfg))))
     assert again == cfg
 
 
 def test_step3p5_layer_types_cover_target_and_mtp_layers():
     types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention",
              "sliding_attention"]
-    cfg = ModelConfig.from_hf(hf_config("step3p5", layers=2, num_mtp=3, layer_types=types,
+    cfg = from_hf(hf_config("step3p5", layers=2, num_mtp=3, layer_types=types,
                                         sliding_window=5))
     assert cfg.sliding_windows == (5, None)
     assert cfg.mtp_sliding_windows == (5, None, 5)
     # The fixture's default: target alternates, every MTP layer slides.
-    cfg = ModelConfig.from_hf(hf_config("step3p5"))
+    cfg = from_hf(hf_config("step3p5"))
     assert cfg.sliding_windows == (4, None)
     assert cfg.mtp_sliding_windows == (4, 4, 4)
 
 
 def test_layer_types_over_target_only_leave_mtp_full():
-    cfg = ModelConfig.from_hf(hf_config(
+    cfg = from_hf(hf_config(
         "step3p5", layer_types=["full_attention", "sliding_attention"], sliding_window=6))
     assert cfg.sliding_windows == (None, 6)
     assert cfg.mtp_sliding_windows == (None, None, None)
@@ -89,33 +89,33 @@ def test_layer_types_over_target_only_leave_mtp_full():
 
 def test_layer_types_of_wrong_length_is_an_error():
     with pytest.raises(ConfigError, match="layer_types"):
-        ModelConfig.from_hf(hf_config("step3p5", layer_types=["full_attention"] * 3))
+        from_hf(hf_config("step3p5", layer_types=["full_attention"] * 3))
 
 
 def test_sliding_attention_without_window_is_an_error():
     raw = hf_config("step3p5")
     del raw["sliding_window"]
     with pytest.raises(ConfigError, match="sliding_window"):
-        ModelConfig.from_hf(raw)
+        from_hf(raw)
 
 
 def test_qwen2_use_sliding_window_and_max_window_layers():
     # MiMo / Qwen2 style: layers with index >= max_window_layers slide, only when
     # use_sliding_window is on; the sliding_window value alone does nothing.
-    cfg = ModelConfig.from_hf(hf_config("mimo", layers=3, use_sliding_window=True,
+    cfg = from_hf(hf_config("mimo", layers=3, use_sliding_window=True,
                                         sliding_window=8, max_window_layers=1))
     assert cfg.sliding_windows == (None, 8, 8)
     assert cfg.mtp_sliding_windows == (None, None)
-    cfg = ModelConfig.from_hf(hf_config("mimo", layers=3, use_sliding_window=False,
+    cfg = from_hf(hf_config("mimo", layers=3, use_sliding_window=False,
                                         sliding_window=8, max_window_layers=1))
     assert cfg.sliding_windows == (None, None, None)
-    cfg = ModelConfig.from_hf(hf_config("mimo", layers=3, use_sliding_window=True,
+    cfg = from_hf(hf_config("mimo", layers=3, use_sliding_window=True,
                                         sliding_window=8, max_window_layers=3))
     assert cfg.sliding_windows == (None, None, None)
 
 
 def test_explicit_mtp_facts_override_layout_defaults():
-    cfg = ModelConfig.from_hf(hf_config(
+    cfg = from_hf(hf_config(
         "deepseek_v3", mtp_hidden_source="target", mtp_concat_order="hidden_first",
         mtp_hidden_from="pre_norm", mtp_output_hidden="post_norm",
         mtp_zero_embed_at_pos0=False))
@@ -123,23 +123,23 @@ def test_explicit_mtp_facts_override_layout_defaults():
             cfg.mtp_output_hidden, cfg.mtp_zero_embed_at_pos0) == (
         "target", "hidden_first", "pre_norm", "post_norm", False)
     with pytest.raises(ConfigError, match="mtp_hidden_source"):
-        ModelConfig.from_hf(hf_config("mimo", mtp_hidden_source="sideways"))
+        from_hf(hf_config("mimo", mtp_hidden_source="sideways"))
 
 
 def test_attention_bias_and_qk_norm_switches():
-    assert not ModelConfig.from_hf(hf_config("mimo", attention_bias=False)).attention_bias
-    assert ModelConfig.from_hf(hf_config("deepseek_v3", attention_bias=True)).attention_bias
-    assert not ModelConfig.from_hf(hf_config("step3p5", use_qk_norm=False)).qk_norm
+    assert not from_hf(hf_config("mimo", attention_bias=False)).attention_bias
+    assert from_hf(hf_config("deepseek_v3", attention_bias=True)).attention_bias
+    assert not from_hf(hf_config("step3p5", use_qk_norm=False)).qk_norm
 
 
 def test_head_dim_defaults_to_hidden_over_heads_and_tied_embeddings():
     raw = hf_config("qwen3_next", head_dim=None, tie_word_embeddings=True)
-    cfg = ModelConfig.from_hf(raw)
+    cfg = from_hf(raw)
     assert cfg.head_dim == 8 and cfg.tie_word_embeddings
 
 
 def test_frozen_variants_by_replace():
-    cfg = ModelConfig.from_hf(hf_config("mimo"))
+    cfg = from_hf(hf_config("mimo"))
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.num_layers = 3  # type: ignore[misc]
     other = dataclasses.replace(cfg, mtp_concat_order="embed_first")
@@ -164,7 +164,7 @@ def test_frozen_variants_by_replace():
     (None, None),
 ])
 def test_rope_scaling_parsing(rope_scaling, want):
-    cfg = ModelConfig.from_hf(hf_config("mimo", rope_scaling=rope_scaling))
+    cfg = from_hf(hf_config("mimo", rope_scaling=rope_scaling))
     assert cfg.rope_scaling == want
 
 
@@ -172,7 +172,7 @@ def test_rope_parameters_style_config():
     raw = hf_config("mimo", rope_parameters={"rope_type": "linear", "factor": 2.0,
                                              "rope_theta": 5000.0})
     del raw["rope_theta"], raw["rope_scaling"]
-    cfg = ModelConfig.from_hf(raw)
+    cfg = from_hf(raw)
     assert cfg.rope_theta == 5000.0
     assert cfg.rope_scaling == RopeScaling("linear", 2.0)
 
@@ -189,7 +189,7 @@ def test_rope_parameters_style_config():
 ])
 def test_bad_rope_scaling_names_the_field(rope_scaling, field):
     with pytest.raises(ConfigError, match=field):
-        ModelConfig.from_hf(hf_config("mimo", rope_scaling=rope_scaling))
+        from_hf(hf_config("mimo", rope_scaling=rope_scaling))
 
 
 # ------------------------------------------------------------------ unsupported math
@@ -209,13 +209,13 @@ def test_bad_rope_scaling_names_the_field(rope_scaling, field):
 ])
 def test_unsupported_config_names_the_field(layout, extra, field):
     with pytest.raises(ConfigError, match=field):
-        ModelConfig.from_hf(hf_config(layout, **extra))
+        from_hf(hf_config(layout, **extra))
 
 
 @pytest.mark.parametrize("extra", [{"num_experts": 0}, {"attn_output_gate": False},
                                    {"n_routed_experts": None}, {"mlp_bias": False}])
 def test_trivial_values_of_unsupported_fields_are_accepted(extra):
-    ModelConfig.from_hf(hf_config("qwen3_next", **extra))
+    from_hf(hf_config("qwen3_next", **extra))
 
 
 @pytest.mark.parametrize("field", ["hidden_size", "num_attention_heads", "vocab_size",
@@ -224,13 +224,13 @@ def test_missing_required_field_is_named(field):
     raw = hf_config("mimo")
     del raw[field]
     with pytest.raises(ConfigError, match=field):
-        ModelConfig.from_hf(raw)
+        from_hf(raw)
 
 
 def test_null_num_key_value_heads_means_multi_head_attention():
     # HF's convention: num_key_value_heads None (null in config.json) is one kv head per
     # query head.
-    cfg = ModelConfig.from_hf(hf_config("mimo", num_key_value_heads=None))
+    cfg = from_hf(hf_config("mimo", num_key_value_heads=None))
     assert cfg.num_kv_heads == cfg.num_heads == 4
 
 
@@ -248,21 +248,21 @@ def test_malformed_value_names_the_field(layout, field, value):
     # A value of the wrong type must not crash with a bare TypeError / ValueError /
     # ZeroDivisionError, nor be silently coerced into different math.
     with pytest.raises(ConfigError, match=field):
-        ModelConfig.from_hf(hf_config(layout, **{field: value}))
+        from_hf(hf_config(layout, **{field: value}))
 
 
 def test_unknown_model_type_and_unreadable_files(tmp_path):
     with pytest.raises(ConfigError, match="model_type"):
-        ModelConfig.from_hf(hf_config("mimo", model_type="llama"))
+        from_hf(hf_config("mimo", model_type="llama"))
     with pytest.raises(ConfigError, match="config.json"):
-        ModelConfig.from_hf(str(tmp_path))
+        from_hf(str(tmp_path))
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="JSON"):
-        ModelConfig.from_hf(str(tmp_path))
+        from_hf(str(tmp_path))
 
 
 def test_model_config_validation():
-    base = ModelConfig.from_hf(hf_config("mimo"))
+    base = from_hf(hf_config("mimo"))
     with pytest.raises(ConfigError, match="num_key_value_heads"):
         dataclasses.replace(base, num_heads=4, num_kv_heads=3)
     with pytest.raises(ConfigError, match="partial_rotary_factor"):
@@ -285,7 +285,7 @@ def test_spec_config_validation():
         SpecConfig(method="eagle", num_speculative_tokens=0)
     with pytest.raises(ConfigError, match="relaxed"):
         SpecConfig(relaxed_acceptance=True, relaxed_delta=1.5)
-    cfg = ModelConfig.from_hf(hf_config("mimo"))  # 2 MTP modules
+    cfg = from_hf(hf_config("mimo"))  # 2 MTP modules
     for method in ("chain", "window", "per_step"):
         SpecConfig(method=method, num_speculative_tokens=2).validate_for(cfg)
         with pytest.raises(ConfigError, match="num_speculative_tokens"):
@@ -415,13 +415,13 @@ def test_step3p5_and_mimo_v2_keys_we_do_not_implement_are_refused(case, change, 
     raw = dict(_golden_config(case), **change)
     raw = {k: v for k, v in raw.items() if v is not None}
     with pytest.raises(ConfigError, match=field):
-        ModelConfig.from_hf(raw)
+        from_hf(raw)
 
 
 @pytest.mark.parametrize("case", ["step3p5_flash", "mimo_v2_flash_hub", "mimo_v2_flash_hf"])
 def test_step3p5_and_mimo_v2_configs_round_trip_through_their_own_key_style(case):
     raw = _golden_config(case)
-    cfg = ModelConfig.from_hf(raw, mtp_layers=None if "num_nextn_predict_layers" in raw
+    cfg = from_hf(raw, mtp_layers=None if "num_nextn_predict_layers" in raw
                               or case.startswith("step") else 3)
-    again = ModelConfig.from_hf(json.loads(json.dumps(cfg.to_hf())))
+    again = from_hf(json.loads(json.dumps(to_hf(cfg))))
     assert again == cfg

@@ -22,10 +22,12 @@ import pytest
 
 from flax import nnx
 
-from mtp_jax.checkpoint import (CheckpointError, Model, load, read_safetensors_header, read_tensor,
-                                save_hf, write_safetensors)
-from mtp_jax.config import ConfigError, ModelConfig
+from mtp_jax.checkpoint import CheckpointError, Model, load, save_hf
+from mtp_jax.checkpoint.safetensors_io import (read_safetensors_header, read_tensor,
+                                               write_safetensors)
+from mtp_jax.config import ConfigError
 from mtp_jax.model import causal_attend
+from mtp_jax.models import from_hf, to_hf
 from mtp_jax.mtp import init_model
 
 
@@ -139,7 +141,7 @@ def read_all(folder):
 
 def write_random_checkpoint(folder, raw, seed=0):
     """A hub-layout checkpoint with random tensors (norm weights near 1)."""
-    cfg = ModelConfig.from_hf(raw)
+    cfg = from_hf(raw)
     graphdef, state = nnx.split(init_model(cfg, seed=seed, dtype=jnp.float32))
     save_hf(Model(cfg, graphdef, state), folder, dtype="float32")
     with open(os.path.join(folder, "config.json"), "w") as f:
@@ -175,7 +177,7 @@ def test_absorbed_mla_equals_expanded_numpy(tmp_path, q_lora, scaling, interleav
 
 
 def test_config_reads_mla_fields_and_softmax_scale():
-    cfg = ModelConfig.from_hf(ds_config())
+    cfg = from_hf(ds_config())
     m = cfg.mla
     assert (m.q_lora_rank, m.kv_lora_rank, m.qk_nope_dim, m.qk_rope_dim, m.v_head_dim) == (
         24, 16, 8, 4, 6)
@@ -184,8 +186,8 @@ def test_config_reads_mla_fields_and_softmax_scale():
     assert spec.kind == "mla"
     assert spec.sm_scale == pytest.approx(12 ** -0.5 * (0.1 * math.log(4) + 1) ** 2)
     # transformers writes head_dim = qk_rope_head_dim; both spellings are accepted.
-    assert ModelConfig.from_hf(ds_config(head_dim=4)).head_dim == 12
-    again = ModelConfig.from_hf(cfg.to_hf())
+    assert from_hf(ds_config(head_dim=4)).head_dim == 12
+    again = from_hf(to_hf(cfg))
     assert again.mla == cfg.mla and again.rope_scaling == cfg.rope_scaling
 
 
@@ -203,13 +205,13 @@ def test_config_reads_mla_fields_and_softmax_scale():
 ])
 def test_bad_mla_or_quantization_config_names_the_field(extra, field):
     with pytest.raises(ConfigError, match=field):
-        ModelConfig.from_hf(ds_config(**extra))
+        from_hf(ds_config(**extra))
 
 
 def test_mla_fields_outside_deepseek_are_refused():
     raw = ds_config(model_type="mimo")
     with pytest.raises(ConfigError, match="MLA"):
-        ModelConfig.from_hf(raw)
+        from_hf(raw)
 
 
 # ---------------------------------------------------------------------- FP8

@@ -23,6 +23,7 @@ from flax import nnx
 
 import hf_fixtures as F
 from mtp_jax.config import ModelConfig, RopeScaling
+from mtp_jax.models import from_hf
 from mtp_jax.model import (Block, DenseCache, MLP, RMSNorm, apply_rope, causal_attend,
                            dense_attention, rope_inv_freq)
 from mtp_jax.mtp import MTPModel
@@ -323,7 +324,7 @@ def test_target_forward(name):
 # ------------------------------------------------------------------ MTP modules
 @functools.lru_cache(maxsize=None)
 def layout_model(layout, source=None):
-    cfg = ModelConfig.from_hf(F.hf_config(layout))  # the shapes test_checkpoint loads
+    cfg = from_hf(F.hf_config(layout))  # the shapes test_checkpoint loads
     if source is not None:
         cfg = dataclasses.replace(cfg, mtp_hidden_source=source)
     return random_model(cfg, seed=F.LAYOUTS.index(layout))

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from mtp_jax.checkpoint import CheckpointError, load, save_hf, to_flat
-from mtp_jax.config import ConfigError, ModelConfig, MoEConfig
+from mtp_jax.config import ConfigError, MoEConfig
+from mtp_jax.models import from_hf, to_hf
 from mtp_jax.moe import MoE, route
 from mtp_jax.mtp import init_model
 from mtp_jax.specs import DenseFFN
@@ -193,7 +194,7 @@ def glm_config(**kw):
 
 
 def test_glm_config_reads_every_moe_and_attention_field():
-    cfg = ModelConfig.from_hf(glm_config())
+    cfg = from_hf(glm_config())
     assert cfg.layout == "glm4_moe" and cfg.qk_norm and cfg.attention_bias
     assert cfg.rotary_dim == 8 and cfg.rope_theta == 1e6
     assert cfg.moe == MoEConfig(num_experts=8, top_k=2, intermediate_size=16, n_group=2,
@@ -204,13 +205,13 @@ def test_glm_config_reads_every_moe_and_attention_field():
     new = glm_config(rope_parameters={"rope_type": "default", "rope_theta": 5e5,
                                       "partial_rotary_factor": 0.25})
     del new["rope_theta"], new["partial_rotary_factor"]
-    cfg2 = ModelConfig.from_hf(new)
+    cfg2 = from_hf(new)
     assert cfg2.rope_theta == 5e5 and cfg2.rotary_dim == 4
     # transformers' default partial factor for GLM-4-MoE is 0.5.
     bare = glm_config()
     del bare["partial_rotary_factor"]
-    assert ModelConfig.from_hf(bare).rotary_dim == 8
-    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    assert from_hf(bare).rotary_dim == 8
+    assert from_hf(to_hf(cfg)) == cfg
 
 
 @pytest.mark.parametrize("extra, field", [
@@ -226,17 +227,17 @@ def test_glm_config_reads_every_moe_and_attention_field():
 ])
 def test_bad_moe_config_names_the_field(extra, field):
     with pytest.raises(ConfigError, match=field):
-        ModelConfig.from_hf(glm_config(**extra))
+        from_hf(glm_config(**extra))
 
 
 def test_deepseek_softmax_router_config():
     raw = glm_config(model_type="deepseek_v3", scoring_func="softmax", topk_method="greedy",
                      n_group=1)
     del raw["use_qk_norm"], raw["partial_rotary_factor"]
-    cfg = ModelConfig.from_hf(raw)
+    cfg = from_hf(raw)
     assert cfg.moe.router == "softmax" and not cfg.moe.score_bias
     with pytest.raises(ConfigError, match="softmax"):
-        ModelConfig.from_hf(dict(raw, n_group=2))
+        from_hf(dict(raw, n_group=2))
 
 
 def test_moe_outside_the_moe_layouts_is_refused():
@@ -246,7 +247,7 @@ def test_moe_outside_the_moe_layouts_is_refused():
 
 # -------------------------------------------------------------------- checkpoints
 def moe_model(**kw):
-    cfg = ModelConfig.from_hf(glm_config(**kw))
+    cfg = from_hf(glm_config(**kw))
     model = init_model(cfg, seed=3)
     graphdef, state = nnx.split(model)
     rng = np.random.default_rng(5)
@@ -289,7 +290,8 @@ def test_hub_names_round_trip(glm_folder):
 
 def _rewrite(path, dst, drop=(), reshape=None):
     """Copy a sharded checkpoint folder, dropping or re-shaping named tensors."""
-    from mtp_jax.checkpoint import read_safetensors_header, read_tensor, write_safetensors
+    from mtp_jax.checkpoint.safetensors_io import (read_safetensors_header, read_tensor,
+                                                   write_safetensors)
     import shutil
     import struct
 

@@ -218,7 +218,7 @@ def test_fp8_on_a_gpu_without_fp8_names_the_fallback(monkeypatch):
 
 
 def test_safetensors_int8_and_scales_are_what_the_config_says(ckpt, tmp_path):
-    from mtp_jax.checkpoint import read_safetensors_header
+    from mtp_jax.checkpoint.safetensors_io import read_safetensors_header
 
     save_hf(load(ckpt, quantize="int8"), str(tmp_path / "q"))
     head = read_safetensors_header(str(tmp_path / "q" / "model.safetensors"))
@@ -288,7 +288,8 @@ def test_fp8_kv_cache_speculative_equals_plain_and_scales_round_trip(tmp_path):
     assert plain.layout.bytes_per_page() == (eng.layout.bytes_per_page()
                                              * jnp.dtype(model.dtype).itemsize)
     # saved beside the weights and read back
-    from mtp_jax.checkpoint import CheckpointError, KV_SCALES_FILE
+    from mtp_jax.checkpoint import CheckpointError
+    from mtp_jax.checkpoint.kv_scales import KV_SCALES_FILE
 
     save_hf(model, str(tmp_path / "m"))
     assert load(str(tmp_path / "m")).kv_scales == model.kv_scales

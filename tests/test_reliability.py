@@ -31,9 +31,11 @@ from hypothesis import strategies as st
 
 import mtp_jax
 from mtp_jax import generate
-from mtp_jax.checkpoint import (CheckpointError, from_params, read_safetensors_header,
-                                read_tensor, to_flat, write_safetensors)
+from mtp_jax.checkpoint import CheckpointError, from_params, to_flat
+from mtp_jax.checkpoint.safetensors_io import (read_safetensors_header, read_tensor,
+                                               write_safetensors)
 from mtp_jax.config import ConfigError, EngineConfig, SamplingParams, SpecConfig
+from mtp_jax.models import from_hf
 from mtp_jax.engine import Engine, Request
 from mtp_jax.kv_cache import PageAllocator
 
@@ -761,7 +763,7 @@ _CORRUPT_FILES = {
     "tokenizer_garbled": (lambda d: (d / "tokenizer.json").write_text("{"),
                           "the tokenizers library's bare Exception"),
     "config_not_utf8": (lambda d: (d / "config.json").write_bytes(b"\xff{}"),
-                        "UnicodeDecodeError from ModelConfig.from_hf"),
+                        "UnicodeDecodeError from models.from_hf"),
 }
 
 

@@ -1,0 +1,249 @@
+"""Tensor entries: each parameter of `MTPModel` with the HF tensors it is built from.
+
+An `Entry` names a parameter's path in the NNX state, the HF tensors it is made of and
+their shapes, and converts both ways: `join` (HF arrays -> parameter, on import) and
+`split` (parameter -> HF arrays, on export). Fused q/k/v and gate/up are joined on load and
+split on export; the per-expert `mlp.experts.{e}.*_proj` tensors of an MoE layer are
+stacked into one [experts, ...] parameter.
+
+The builders here are the pieces a family's tensor map (models/base.py) is made of, and
+any family may reuse them: `gqa_entries` (GQA with bias, q/k norm, head-wise gate and
+sinks), `mla_entries` (DeepSeek's multi-head latent attention), `swiglu_entries` (a dense
+MLP or a shared expert), `moe_entries` (a router, per-expert tensors, shared experts in
+DeepSeek / GLM naming).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import numpy as np
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One parameter: its path in the NNX state and the HF tensors it is made of."""
+
+    path: tuple
+    names: tuple  # HF tensor names
+    shapes: tuple  # their HF shapes
+    join: Callable  # list of HF arrays -> parameter array
+    split: Callable  # parameter array -> list of HF arrays
+    # (HF arrays, index tuple of slices) -> parameter[index], reading only what it needs;
+    # None: join the whole parameter, then slice.
+    slice_join: Optional[Callable] = None
+    # Several parameters cut from one HF tensor (MLA's kv_b_proj): the first exports it
+    # from all of them with `export(flat params)`, the others set `exported` False.
+    export: Optional[Callable] = None
+    exported: bool = True
+
+
+def _t(a):
+    return np.ascontiguousarray(np.asarray(a).T)
+
+
+def linear(path, name, out_dim, in_dim):
+    return Entry(path, (name,), ((out_dim, in_dim),), lambda a: _t(a[0]), lambda p: [_t(p)])
+
+
+def vector(path, name, dim):
+    return Entry(path, (name,), ((dim,),), lambda a: np.asarray(a[0]), lambda p: [np.asarray(p)])
+
+
+
+def embedding(path, name, vocab, dim):
+    return Entry(path, (name,), ((vocab, dim),), lambda a: np.asarray(a[0]),
+                 lambda p: [np.asarray(p)])
+
+
+def gqa_entries(att, d: int, path: tuple, a: str) -> list[Entry]:
+    """q/k/v/o projections (fused as model.Attention lays them out), biases, q/k norms,
+    the head-wise gate `g_proj` and the sink logits of a GQA layer."""
+    k, g, h, u = att.num_kv_heads, att.group_size, att.head_dim, att.v_dim
+    n = k * g
+    fused = u == h  # v in the same parameter as q and k
+
+    def join_qkv(arrs):  # q [n*h, d], k [k*h, d](, v [k*h, d]) -> [d, k, g+2 (g+1), h]
+        q, kk, *v = (np.asarray(x) for x in arrs)
+        parts = [q.reshape(k, g, h, d), kk.reshape(k, 1, h, d)] + [
+            x.reshape(k, 1, h, d) for x in v]
+        return np.ascontiguousarray(np.concatenate(parts, axis=1).transpose(3, 0, 1, 2))
+
+    def split_qkv(p):
+        w = np.asarray(p).transpose(1, 2, 3, 0)  # [k, g+2 (g+1), h, d]
+        out = [w[:, :g].reshape(n * h, d), w[:, g].reshape(k * h, d)]
+        return out + ([w[:, g + 1].reshape(k * h, d)] if fused else [])
+
+    def join_bias(arrs):
+        q, kk, v = (np.asarray(x) for x in arrs)
+        return np.concatenate([q.reshape(k, g, h), kk.reshape(k, 1, h), v.reshape(k, 1, h)], 1)
+
+    def split_bias(p):
+        p = np.asarray(p)
+        return [p[:, :g].reshape(n * h), p[:, g].reshape(k * h), p[:, g + 1].reshape(k * h)]
+
+    proj = ("q_proj", "k_proj", "v_proj") if fused else ("q_proj", "k_proj")
+    es = [Entry(path + ("qkv" if fused else "qk",), tuple(a + x + ".weight" for x in proj),
+                ((n * h, d), (k * h, d), (k * h, d))[: len(proj)], join_qkv, split_qkv),
+          Entry(path + ("o",), (a + "o_proj.weight",), ((d, n * u),),
+                lambda arrs: np.ascontiguousarray(np.asarray(arrs[0]).T.reshape(n, u, d)),
+                lambda p: [_t(np.asarray(p).reshape(n * u, d))])]
+    if not fused:
+        es.append(Entry(path + ("v",), (a + "v_proj.weight",), ((k * u, d),),
+                        lambda arrs: np.ascontiguousarray(_t(arrs[0]).reshape(d, k, u)),
+                        lambda p: [_t(np.asarray(p).reshape(d, k * u))]))
+    if att.qkv_bias:
+        es.append(Entry(path + ("qkv_bias",), (a + "q_proj.bias", a + "k_proj.bias",
+                                              a + "v_proj.bias"),
+                        ((n * h,), (k * h,), (k * h,)), join_bias, split_bias))
+    if att.qk_norm:
+        es.append(vector(path + ("q_norm", "weight"), a + "q_norm.weight", h))
+        es.append(vector(path + ("k_norm", "weight"), a + "k_norm.weight", h))
+    if att.gate:  # Step-3.5 g_proj [n, d] -> [d, k, g]
+        es.append(Entry(path + ("gate",), (a + "g_proj.weight",), ((n, d),),
+                        lambda arrs: np.ascontiguousarray(_t(arrs[0]).reshape(d, k, g)),
+                        lambda p: [_t(np.asarray(p).reshape(d, n))]))
+    if att.sinks:  # MiMo-V2 attention_sink_bias [n] -> [k, g]
+        es.append(Entry(path + ("sinks",), (a + "attention_sink_bias",), ((n,),),
+                        lambda arrs: np.asarray(arrs[0]).reshape(k, g),
+                        lambda p: [np.asarray(p).reshape(n)]))
+    return es
+
+
+
+def _rope_order(e: int, interleaved: bool) -> np.ndarray:
+    """Where each stored rope dim comes from: DeepSeek publishes the rope dims of q and
+    k_pe as interleaved pairs (x0, x1), (x2, x3), ...; the model rotates halves, so pair i
+    becomes dims (i, i + e/2). Permuting q and k alike leaves every score unchanged."""
+    if not interleaved:
+        return np.arange(e)
+    return np.concatenate([np.arange(0, e, 2), np.arange(1, e, 2)])
+
+
+def mla_entries(att, d: int, path: tuple, a: str) -> list[Entry]:
+    """MLA projections (mla.py layouts) from DeepSeek's q(_a/_b)_proj, kv_a_proj_with_mqa,
+    kv_b_proj (split into w_uk / w_uv) and o_proj."""
+    m, n = att.mla, att.num_heads
+    p, e, r, v, qk = m.qk_nope_dim, m.qk_rope_dim, m.kv_lora_rank, m.v_head_dim, m.qk_head_dim
+    order = _rope_order(e, m.rope_interleave)
+    inverse = np.argsort(order)
+
+    def q_join(arrs):  # [n * qk, in] -> [in, n, qk], rope dims reordered
+        w = np.asarray(arrs[0]).reshape(n, qk, -1)
+        w = np.concatenate([w[:, :p], w[:, p:][:, order]], axis=1)
+        return np.ascontiguousarray(w.transpose(2, 0, 1))
+
+    def q_split(w):
+        w = np.asarray(w).transpose(1, 2, 0)
+        w = np.concatenate([w[:, :p], w[:, p:][:, inverse]], axis=1)
+        return [w.reshape(n * qk, -1)]
+
+    def kv_a_join(arrs):  # [r + e, d] -> [d, r + e]
+        w = np.asarray(arrs[0])
+        return _t(np.concatenate([w[:r], w[r:][order]], axis=0))
+
+    def kv_a_split(w):
+        w = _t(w)
+        return [np.concatenate([w[:r], w[r:][inverse]], axis=0)]
+
+    kv_b = a + "kv_b_proj.weight"
+
+    def kv_b_export(flat):
+        uk = np.asarray(flat[path + ("w_uk",)], np.float32)             # [n, p, r]
+        uv = np.asarray(flat[path + ("w_uv",)], np.float32).transpose(0, 2, 1)  # [n, v, r]
+        return [np.concatenate([uk, uv], axis=1).reshape(n * (p + v), r)]
+
+    es = []
+    if m.q_lora_rank is None:
+        es.append(Entry(path + ("q",), (a + "q_proj.weight",), ((n * qk, d),), q_join, q_split))
+    else:
+        c = m.q_lora_rank
+        es += [linear(path + ("q_a",), a + "q_a_proj.weight", c, d),
+               vector(path + ("q_a_norm", "weight"), a + "q_a_layernorm.weight", c),
+               Entry(path + ("q_b",), (a + "q_b_proj.weight",), ((n * qk, c),), q_join,
+                     q_split)]
+    es += [
+        Entry(path + ("kv_a",), (a + "kv_a_proj_with_mqa.weight",), ((r + e, d),), kv_a_join,
+              kv_a_split),
+        vector(path + ("kv_a_norm", "weight"), a + "kv_a_layernorm.weight", r),
+        Entry(path + ("w_uk",), (kv_b,), ((n * (p + v), r),),
+              lambda arrs: np.ascontiguousarray(np.asarray(arrs[0]).reshape(n, p + v, r)[:, :p]),
+              None, export=kv_b_export),
+        Entry(path + ("w_uv",), (kv_b,), ((n * (p + v), r),),
+              lambda arrs: np.ascontiguousarray(
+                  np.asarray(arrs[0]).reshape(n, p + v, r)[:, p:].transpose(0, 2, 1)),
+              None, exported=False),
+        Entry(path + ("o",), (a + "o_proj.weight",), ((d, n * v),),
+              lambda arrs: np.ascontiguousarray(np.asarray(arrs[0]).T.reshape(n, v, d)),
+              lambda w: [_t(np.asarray(w).reshape(n * v, d))]),
+    ]
+    return es
+
+
+def swiglu_entries(d: int, f: int, path: tuple, prefix: str) -> list[Entry]:
+    """A SwiGLU MLP: gate_proj / up_proj [f, d] -> gate_up [d, 2, f]; down_proj [d, f]."""
+    def join_gu(arrs):
+        return np.ascontiguousarray(np.stack([np.asarray(arrs[0]).T, np.asarray(arrs[1]).T], 1))
+
+    def split_gu(p):
+        p = np.asarray(p)
+        return [_t(p[:, 0]), _t(p[:, 1])]
+
+    return [Entry(path + ("gate_up",), (prefix + "gate_proj.weight", prefix + "up_proj.weight"),
+                  ((f, d), (f, d)), join_gu, split_gu),
+            linear(path + ("down",), prefix + "down_proj.weight", d, f)]
+
+
+def moe_entries(moe, d: int, path: tuple, prefix: str) -> list[Entry]:
+    """Router, per-expert tensors stacked over experts, shared experts (DeepSeek / GLM)."""
+    e_n, f = moe.num_experts, moe.intermediate_size
+    ex = [f"{prefix}experts.{e}." for e in range(e_n)]
+
+    def experts_of(index):
+        return range(*index[0].indices(e_n))
+
+    # Each filled into one preallocated array, so building a parameter (or a device's
+    # piece of it) holds it once in host memory, converted as it is read.
+    def gate_up_slice(arrs, index, dtype=None):  # arrs: gate_e, then up_e, each [f, d]
+        _, dsl, csl, fsl = index
+        es = experts_of(index)
+        gate_up = (0, 1)[csl]
+        probe = arrs[0][fsl, dsl]
+        out = np.empty((len(es), probe.shape[1], len(gate_up), probe.shape[0]),
+                       dtype or probe.dtype)
+        for i, e in enumerate(es):
+            for j, c in enumerate(gate_up):
+                out[i, :, j] = np.asarray(arrs[c * e_n + e][fsl, dsl]).T
+        return out
+
+    def down_slice(arrs, index, dtype=None):  # arrs: down_e [d, f] -> parameter [e, f, d]
+        _, fsl, dsl = index
+        es = experts_of(index)
+        probe = arrs[0][dsl, fsl]
+        out = np.empty((len(es), probe.shape[1], probe.shape[0]), dtype or probe.dtype)
+        for i, e in enumerate(es):
+            out[i] = np.asarray(arrs[e][dsl, fsl]).T
+        return out
+
+    full4, full3 = (slice(None),) * 4, (slice(None),) * 3
+
+    def split_gate_up(p):
+        p = np.asarray(p)
+        return [_t(p[e, :, 0]) for e in range(e_n)] + [_t(p[e, :, 1]) for e in range(e_n)]
+
+    es = [
+        linear(path + ("router",), prefix + "gate.weight", e_n, d),
+        Entry(path + ("experts_gate_up",),
+              tuple(x + "gate_proj.weight" for x in ex) + tuple(x + "up_proj.weight" for x in ex),
+              ((f, d),) * (2 * e_n), lambda arrs: gate_up_slice(arrs, full4), split_gate_up,
+              gate_up_slice),
+        Entry(path + ("experts_down",), tuple(x + "down_proj.weight" for x in ex),
+              ((d, f),) * e_n, lambda arrs: down_slice(arrs, full3),
+              lambda p: [_t(q) for q in np.asarray(p)], down_slice),
+    ]
+    if moe.score_bias:
+        es.append(vector(path + ("router_bias",), prefix + "gate.e_score_correction_bias", e_n))
+    if moe.shared_size:
+        es += swiglu_entries(d, moe.shared_size, path + ("shared",),
+                              prefix + "shared_experts.")
+    return es
