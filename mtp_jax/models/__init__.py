@@ -33,9 +33,9 @@ Adding a model family
 3. One golden fixture, ``tests/golden/<case>/`` (config.json, model.safetensors,
    golden.npz), written from transformers' own class on a tiny random config by a
    ``tests/golden/make_<name>.py`` script committed beside it (shared pieces in
-   tests/golden/_golden_common.py; settings and versions in tests/golden/README.md), and
-   the case name in tests/test_golden.py (`ONE_MTP` or `THREE_MTP`), which then checks
-   logits, MTP outputs and greedy tokens against it without torch.
+   tests/golden/_golden_common.py; settings and versions in tests/golden/README.md).
+   tests/test_golden.py takes every fixture folder as a case and checks logits, MTP
+   outputs and greedy tokens (none, chain, eagle) against it without torch.
 """
 
 from __future__ import annotations
