@@ -46,6 +46,7 @@ from ..config import ConfigError, ModelConfig, register_layout
 from .base import Family
 from .deepseek_v3 import DeepseekV3
 from .glm4_moe import Glm4Moe
+from .glm4_moe_lite import Glm4MoeLite
 from .mimo import Mimo
 from .mimo_v2_flash import MimoV2Flash
 from .parse import read_config
@@ -59,6 +60,7 @@ FAMILIES = (
     Qwen3Next(),
     Step3p5(),
     MimoV2Flash(),
+    Glm4MoeLite(),
 )
 BY_MODEL_TYPE = {mt: f for f in FAMILIES for mt in f.model_types}
 BY_LAYOUT = {f.name: f for f in FAMILIES}
