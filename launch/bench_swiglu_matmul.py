@@ -8,7 +8,7 @@ x [M, 4096] bf16 @ gate_up [4096, 2, 11008] (Llama-2-7B's and MiMo-7B's MLP), M 
 prefill forward (the batch job's is 8 x 256 = 2048). Candidates, each timed in the same
 run:
   xla einsum + swiglu   what the model ran before the kernel: the einsum in bf16, then
-                        model.swiglu (silu(g) * u in bf16 ops), a kernel of its own
+                        swiglu (silu(g) * u in bf16 ops), a kernel of its own
   xla reference         pallas_kernels.swiglu_matmul.reference: the einsum, then silu(g) * u
                         in f32 rounded once (the kernel's numerics)
   xla einsum alone      the [M, 2F] product only: the rate a fused kernel has to keep
@@ -44,8 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_batch_job import PEAK_BF16  # noqa: E402
 from bench_quant_matmul import time_per_call  # noqa: E402
 
-from mtp_jax.model import swiglu  # noqa: E402
-from pallas_kernels.swiglu_matmul import reference  # noqa: E402
+from pallas_kernels.swiglu_matmul import reference, swiglu  # noqa: E402
 from pallas_kernels.swiglu_matmul_gpu import BlockConfig, smem_bytes, swiglu_matmul_gpu  # noqa: E402
 
 SMEM_LIMIT = 227 * 1024  # a Hopper CTA's shared memory

@@ -17,7 +17,7 @@ through ml_dtypes), so truncated files are caught with a clear message.
 Block-scaled checkpoints (`quantization_config`: DeepSeek-V3's FP8, or this project's
 fp8 / int8 exports): every quantized weight must come with its `<name>_scale_inv` of the
 config's block shape. On a GPU or TPU the weights stay quantized on the device (a
-`quant.QArray` per parameter, scales expanded per output channel, the contraction blocks
+`qarray.QArray` per parameter, scales expanded per output channel, the contraction blocks
 kept), so a model published in FP8 takes FP8 bytes; on CPU, or with `dequantize=True`,
 they are dequantized as they are read (`BlockScaled`) to the load dtype. `load(path,
 quantize="int8" | "fp8" | "fp8-block")` quantizes an unquantized checkpoint parameter by
@@ -45,6 +45,7 @@ from flax import nnx
 from . import quant
 from .config import ConfigError, ModelConfig
 from .mtp import MTPModel
+from .qarray import QArray, expand_scale, is_quantized, value
 
 
 class CheckpointError(ValueError):
@@ -289,7 +290,7 @@ def _block_entries(cfg: ModelConfig, layer: int, path: tuple, prefix: str, *,
 
 
 def _gqa_entries(att, d: int, path: tuple, a: str) -> list[Entry]:
-    """q/k/v/o projections (fused as model.Attention lays them out), biases, q/k norms,
+    """q/k/v/o projections (fused as attention.Attention lays them out), biases, q/k norms,
     the head-wise gate `g_proj` and the sink logits of a GQA layer."""
     k, g, h, u = att.num_kv_heads, att.group_size, att.head_dim, att.v_dim
     n = k * g
@@ -590,7 +591,7 @@ class Model:
     eos_token_ids: tuple = ()
     path: Optional[str] = None
     # fp8 KV cache scales per layer ((k [H], v [H]) floats), from kv_scales.json beside
-    # the weights or set with quant.calibrate_kv_scales; None: calibrated when needed
+    # the weights or set with calibration.calibrate_kv_scales; None: calibrated when needed
     kv_scales: Optional[tuple] = None
 
     def module(self) -> MTPModel:
@@ -618,7 +619,7 @@ def from_params(cfg: ModelConfig, flat: dict, dtype, **extra) -> Model:
             missing.append("/".join(map(str, path)))
             continue
         v = flat[tuple(path)]
-        var.set_value(v if quant.is_quantized(v) else jnp.asarray(v, var.get_value().dtype))
+        var.set_value(v if is_quantized(v) else jnp.asarray(v, var.get_value().dtype))
     if missing:
         raise CheckpointError(f"parameters not provided: {missing}")
     return Model(cfg, graphdef, state, **extra)
@@ -861,11 +862,11 @@ def _place_quantized(e: Entry, values, scales, contract, block_in: int, want, sh
         nonfinite.extend(n for n in e.names if n not in nonfinite)
     sh = shardings(e.path, want.shape) if shardings else None
     if sh is None:
-        return quant.QArray(_to_device(vals), _to_device(scale))
+        return QArray(_to_device(vals), _to_device(scale))
     # the scale is small: replicated on the value's devices until the engine places the
     # parameter by the sharding table (sharding.param_value_sharding)
     rep = jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec())
-    return quant.QArray(jax.make_array_from_callback(vals.shape, sh, lambda i: _owned(vals[i])),
+    return QArray(jax.make_array_from_callback(vals.shape, sh, lambda i: _owned(vals[i])),
                         jax.device_put(scale, rep))
 
 
@@ -920,9 +921,9 @@ def save_hf(model: Model, path: str, *, dtype=None, max_shard_bytes: Optional[in
         if not e.exported:
             continue
         v = flat[e.path]
-        if quant.is_quantized(v):  # stored as held: values and per-element scales
+        if is_quantized(v):  # stored as held: values and per-element scales
             vals = np.asarray(v.values)
-            full = quant.expand_scale(np.asarray(v.scale), vals.shape)
+            full = expand_scale(np.asarray(v.scale), vals.shape)
             for name, arr, sc in zip(e.names, e.split(vals), e.split(full)):
                 tensors[name], scales[name] = np.asarray(arr), np.asarray(sc, np.float32)
             continue
@@ -1049,7 +1050,7 @@ def _str_keys(flat: dict) -> dict:
     out = {}
     for k, v in flat.items():
         key = "/".join(map(str, k))
-        if quant.is_quantized(v):
+        if is_quantized(v):
             out[key + ".values"], out[key + ".scale"] = v.values, v.scale
         else:
             out[key] = v
@@ -1073,7 +1074,7 @@ def save_orbax(model: Model, path: str) -> None:
         json.dump(hf, f, indent=2)
     quantized = {"/".join(map(str, k)): {"values": str(v.values.dtype),
                                          "scale": list(v.scale.shape)}
-                 for k, v in to_flat(model.params).items() if quant.is_quantized(v)}
+                 for k, v in to_flat(model.params).items() if is_quantized(v)}
     with open(os.path.join(path, ORBAX_MARKER), "w") as f:
         json.dump({"format": "mtp_jax orbax params", "dtype": str(model.dtype),
                    "quantized": quantized}, f)
@@ -1135,7 +1136,7 @@ def load_orbax(path: str, *, dtype=None, shardings: Optional[Callable] = None,
     for p, var in state.flat_state():
         key, pdt = "/".join(map(str, p)), var.get_value().dtype
         if key in quantized:
-            flat[tuple(p)] = quant.QArray(restored[key + ".values"], restored[key + ".scale"])
+            flat[tuple(p)] = QArray(restored[key + ".values"], restored[key + ".scale"])
             continue
         arr = restored[key]
         flat[tuple(p)] = arr if arr.dtype == pdt else arr.astype(pdt)
@@ -1206,8 +1207,8 @@ def with_draft_head(model: Model, mode: str) -> Model:
     if cfg.draft_head:
         raise ConfigError(f"the draft already reads a quantized ({cfg.draft_head}) copy of "
                           "its head")
-    heads = [quant.value(w) for w in model.module().draft_head_weights()]
-    if any(quant.is_quantized(w) for w in heads):
+    heads = [value(w) for w in model.module().draft_head_weights()]
+    if any(is_quantized(w) for w in heads):
         raise quant.QuantizationError("the draft's head is already quantized (the model's "
                                       "weights are): a quantized copy would gain nothing")
     quant.check_backend(mode)

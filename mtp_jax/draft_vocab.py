@@ -39,8 +39,8 @@ FORMAT = "mtp_jax.draft_vocab/1"
 # ------------------------------------------------------------------ the model side
 def with_draft_vocab(model, ids):
     """A copy of `model` whose MTP heads score only `ids` (distinct token ids)."""
-    from . import quant
     from .checkpoint import to_flat, with_params
+    from .qarray import is_quantized, value
 
     cfg = model.config
     if not cfg.num_mtp_modules:
@@ -58,10 +58,10 @@ def with_draft_vocab(model, ids):
         raise ConfigError("choose the draft vocabulary first, then the draft head's "
                           "quantization (it quantizes the reduced heads)")
     dtype = model.dtype
-    heads = [quant.value(w) for w in model.module().draft_head_weights()]
+    heads = [value(w) for w in model.module().draft_head_weights()]
     flat = to_flat(model.params)
     for i, w in enumerate(heads):  # [d, V] -> [d, n]: the rows of w.T
-        cols = w.T.rows(ids, dtype) if quant.is_quantized(w) else w.T[ids]
+        cols = w.T.rows(ids, dtype) if is_quantized(w) else w.T[ids]
         flat[("draft_vocab", "heads", i, "head")] = cols.T
     flat[("draft_vocab", "ids")] = ids.astype(np.int32)
     return with_params(model, dataclasses.replace(cfg, draft_vocab_size=int(ids.size)), flat)

@@ -64,7 +64,7 @@ class KVLayout:
     dtype: str
     latent: bool = False  # MLA: one cached row per token, keys and values in one
     # fp8 pages: per layer (k scales [kv heads], v scales [kv heads]); the stored value
-    # times its head's scale is the key / value (quant.calibrate_kv_scales). A latent
+    # times its head's scale is the key / value (calibration.calibrate_kv_scales). A latent
     # layer: ((latent scale, rope scale), ()), for the row's two parts
     scales: Optional[tuple] = None
 

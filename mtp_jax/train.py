@@ -47,7 +47,9 @@ from flax import nnx
 from .checkpoint import from_params, load, save_hf, to_flat
 from .config import ModelConfig, SamplingParams, SpecConfig
 from .mtp import forward_train, init_model
-from .quant import MODES, calibrate_kv_scales, fp8_kv_attend, is_quantized
+from .calibration import calibrate_kv_scales, fp8_kv_attend
+from .qarray import is_quantized
+from .quant import MODES
 
 EOT = "<|endoftext|>"
 SIZES = {  # model shapes; `small` is the shipped one, `small6` the one before it

@@ -25,7 +25,7 @@ from flax import nnx
 from mtp_jax.checkpoint import (CheckpointError, Model, load, read_safetensors_header, read_tensor,
                                 save_hf, write_safetensors)
 from mtp_jax.config import ConfigError, ModelConfig
-from mtp_jax.model import causal_attend
+from mtp_jax.layers import causal_attend
 from mtp_jax.mtp import init_model
 
 
