@@ -36,7 +36,7 @@ import numpy as np
 
 from pallas_kernels.kv_write import DROP_SLOT, slot_mapping, write_pages
 from pallas_kernels import paged_mla as mla_kernel
-from pallas_kernels import resolve_backend
+from pallas_kernels.common import resolve_backend
 from pallas_kernels.paged_attention import paged_attention
 
 from .config import ConfigError, EngineConfig, ModelConfig

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pallas_kernels.swiglu_matmul import swiglu, swiglu_matmul
+from pallas_kernels.common import swiglu
+from pallas_kernels.swiglu_matmul import swiglu_matmul
 from pallas_kernels.swiglu_matmul import use_kernel as use_swiglu_kernel
 
 from .config import ModelConfig, yarn_mscale

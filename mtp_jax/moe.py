@@ -28,12 +28,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels import resolve_backend
+from pallas_kernels.common import resolve_backend, swiglu
 from pallas_kernels.grouped_matmul import (BACKEND_ENV_VAR, EXTRA_BACKENDS, default_tile_rows,
                                            grouped_matmul, plan_groups)
 
 from .config import MoEConfig
-from .layers import MLP, _param, swiglu
+from .layers import MLP, _param
 from .qarray import is_quantized, value
 from .sharding import P, active_mesh, axis_size, batch_axis, shard_kernel, spec_like
 
@@ -96,7 +96,7 @@ def expert_swiglu(x, ids, weights, gate_up, down, first_expert=0, limit=None):
     x [.., d]; ids, weights [.., top_k]; gate_up [e, d, 2, f], down [e, f, d] hold experts
     first_expert .. first_expert + e - 1 (arrays, or QArrays whose scales the grouped
     matmul applies per expert); rows routed elsewhere contribute 0 and read no weights.
-    `limit`: clamped SwiGLU (pallas_kernels.swiglu_matmul.swiglu).
+    `limit`: clamped SwiGLU (pallas_kernels.common.swiglu).
     """
     lead, d = x.shape[:-1], x.shape[-1]
     e, _, _, f = gate_up.shape

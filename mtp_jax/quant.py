@@ -277,7 +277,7 @@ def _use_kernel(mkn: tuple, s: int, per_channel: bool, values_dtype=None,
     backend (or $MTP_JAX_QMATMUL_BACKEND naming one; `reference` never), decode sizes
     (`limit` rows, else KERNEL_MAX_ROWS, PER_CHANNEL_KERNEL_MAX_ROWS), shapes its blocks
     tile, one device (XLA cannot partition a Pallas call: under a mesh the XLA path runs)."""
-    from pallas_kernels import resolve_backend
+    from pallas_kernels.common import resolve_backend
     from pallas_kernels.quant_matmul import fits
 
     backend = resolve_backend(None, BACKEND_ENV_VAR, "quantized-matmul")
