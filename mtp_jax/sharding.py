@@ -8,9 +8,10 @@ meshes that ask for it (`make_mesh("ep=2,tp=2")`); `axis_size` reads 1 for a mis
 
 Every parameter's logical axes are derived from its name and rank (the layouts are
 documented in attention.py, layers.py, mla.py and moe.py); `RULES` maps logical axes to
-mesh axes. An axis whose size does not divide by its mesh axis stays replicated. XLA's SPMD partitioner shards the einsums
-from these parameter shardings (Megatron pattern: qkv / gate_up by head and MLP column,
-o / down contracting the sharded axis with one all-reduce; lm_head by vocabulary).
+mesh axes. An axis whose size does not divide by its mesh axis stays replicated. XLA's
+SPMD partitioner shards the einsums from these parameter shardings (Megatron pattern:
+qkv / gate_up by head and MLP column, o / down contracting the sharded axis with one
+all-reduce; lm_head by vocabulary).
 
 The Pallas kernels cannot be partitioned by XLA, so they run per shard under
 `jax.shard_map` (`shard_kernel`): paged attention and KV writes per kv-head shard (and
