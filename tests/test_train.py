@@ -10,6 +10,7 @@ import pytest
 
 import mtp_jax
 from mtp_train import cli, corpus, metrics, train
+from mtp_train.corpus import EOT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = os.path.join(ROOT, "checkpoints")
@@ -63,7 +64,7 @@ def test_tiny_training_run_lowers_loss_and_exports(tmp_path):
     cfg = model.config
     assert (cfg.layout, cfg.num_mtp_modules, cfg.mtp_hidden_source) == ("mimo", 3, "previous")
     assert cfg.num_params == m["num_params"]
-    assert model.eos_token_ids == (model.tokenizer.token_to_id(corpus.EOT),)
+    assert model.eos_token_ids == (model.tokenizer.token_to_id(EOT),)
     text = "def f1_2(x, y):\n    return x\n"
     assert model.tokenizer.decode(model.tokenizer.encode(text).ids) == text
     assert os.path.exists(out / "loss_curves.png")
@@ -86,7 +87,7 @@ def test_shipped_checkpoint_is_mimo_with_three_chained_modules():
     assert cfg.num_layers == 12 and cfg.num_params <= 24e6  # a deep target, small modules
     tok = model.tokenizer
     assert tok is not None and tok.get_vocab_size() == cfg.vocab_size
-    assert model.eos_token_ids == (tok.token_to_id(corpus.EOT),)
+    assert model.eos_token_ids == (tok.token_to_id(EOT),)
     assert os.path.exists(os.path.join(SHIPPED, "README.md"))
 
 
