@@ -69,7 +69,8 @@ from mtp_jax.config import EngineConfig, ModelConfig, SpecConfig  # noqa: E402
 from mtp_jax.draft_vocab import with_draft_vocab  # noqa: E402
 from mtp_jax.drafting import draft  # noqa: E402
 from mtp_jax.kv_cache import PageAllocator, PagedKV, make_layout  # noqa: E402
-from mtp_jax.quant import calibrate_kv_scales, mode_of, reads_head_copy  # noqa: E402
+from mtp_jax.calibration import calibrate_kv_scales  # noqa: E402
+from mtp_jax.quant import mode_of, reads_head_copy  # noqa: E402
 from mtp_jax.sharding import make_mesh, shard_params, state_shardings, use_mesh  # noqa: E402
 from mtp_jax.step import (Static, decode_step, greedy_steps, init_state,  # noqa: E402
                           programs, step_compiler_options)

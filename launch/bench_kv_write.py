@@ -30,7 +30,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench_paged_attention import best_copy_bandwidth  # noqa: E402
-from pallas_kernels.kv_write import FP8_DTYPE, write_pages  # noqa: E402
+from pallas_kernels.common import FP8_DTYPE  # noqa: E402
+from pallas_kernels.kv_write import write_pages  # noqa: E402
 
 KVH, D, PAGE, NUM_PAGES = 8, 128, 16, 16384
 

@@ -44,7 +44,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
-from pallas_kernels.kv_write import FP8_DTYPE, FP8_MAX, quantize_rows  # noqa: E402
+from pallas_kernels.common import FP8_DTYPE, FP8_MAX  # noqa: E402
+from pallas_kernels.kv_write import quantize_rows  # noqa: E402
 from pallas_kernels.paged_attention import (  # noqa: E402
     BlockConfig, default_block_config, paged_attention, paged_attention_reference)
 

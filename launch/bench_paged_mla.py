@@ -66,7 +66,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
 from bench_paged_attention import copy_bandwidth  # noqa: E402
-from pallas_kernels.kv_write import FP8_DTYPE, FP8_MAX  # noqa: E402
+from pallas_kernels.common import FP8_DTYPE, FP8_MAX  # noqa: E402
 from pallas_kernels.paged_mla import (  # noqa: E402
     MLABlockConfig, default_block_config, paged_mla, paged_mla_reference)
 

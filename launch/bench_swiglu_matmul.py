@@ -8,7 +8,7 @@ x [M, 4096] bf16 @ gate_up [4096, 2, 11008] (Llama-2-7B's and MiMo-7B's MLP), M 
 prefill forward (the batch job's is 8 x 256 = 2048). Candidates, each timed in the same
 run:
   xla einsum + swiglu   the model's path where the kernel does not run: the einsum in bf16, then
-                        model.swiglu (silu(g) * u in bf16 ops), a kernel of its own
+                        swiglu (silu(g) * u in bf16 ops), a kernel of its own
   xla reference         pallas_kernels.swiglu_matmul.reference: the einsum, then silu(g) * u
                         in f32 rounded once (the kernel's numerics)
   xla einsum alone      the [M, 2F] product only: the rate a fused kernel has to keep

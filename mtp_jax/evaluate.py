@@ -41,9 +41,9 @@ from .checkpoint import CheckpointError, load
 from .compile_cache import add_compile_cache_option
 from .config import (ConfigError, EngineConfig, SamplingParams, SpecConfig,
                      parse_num_speculative_tokens)
-from .generate import (Fatal, LineError, add_draft_options, add_prefill_batch_option,
-                       add_quantize_option, apply_draft_options, build_request,
-                       default_model_dir, read_lines)
+from .cli import (Fatal, LineError, add_draft_options, add_prefill_batch_option,
+                  add_quantize_option, apply_draft_options, build_request, default_model_dir,
+                  read_lines)
 from .quant import mode_of
 
 DRAFT_METHODS = ("chain", "window", "per_step", "eagle")

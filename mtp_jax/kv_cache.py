@@ -36,7 +36,7 @@ import numpy as np
 
 from pallas_kernels.kv_write import DROP_SLOT, slot_mapping, write_pages
 from pallas_kernels import paged_mla as mla_kernel
-from pallas_kernels import resolve_backend
+from pallas_kernels.common import resolve_backend
 from pallas_kernels.paged_attention import paged_attention
 
 from .config import ConfigError, EngineConfig, ModelConfig
@@ -64,7 +64,7 @@ class KVLayout:
     dtype: str
     latent: bool = False  # MLA: one cached row per token, keys and values in one
     # fp8 pages: per layer (k scales [kv heads], v scales [kv heads]); the stored value
-    # times its head's scale is the key / value (quant.calibrate_kv_scales). A latent
+    # times its head's scale is the key / value (calibration.calibrate_kv_scales). A latent
     # layer: ((latent scale, rope scale), ()), for the row's two parts
     scales: Optional[tuple] = None
 

@@ -18,7 +18,7 @@ first r dims of the same row); the per-head output goes through W_uv, then o_pro
 backend gets `attend(layer, q, kv, None, window, sm_scale=..., v_dim=r)`: v is None, the
 values are the first v_dim dims of the keys, read from the same cache entry.
 
-Parameter layouts (einsum letters as model.py, plus r latent, p nope dims, e rope dims,
+Parameter layouts (einsum letters as layers.py, plus r latent, p nope dims, e rope dims,
 c q_lora rank): q_a [d, c] + q_a_norm + q_b [c, n, p + e] (or q [d, n, p + e]),
 kv_a [d, r + e], kv_a_norm [r], w_uk [n, p, r], w_uv [n, r, v], o [n, v, d]. The rope
 dims of q_b / q and kv_a are stored rotate-half ordered; DeepSeek's interleaved pairs
@@ -31,7 +31,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from .model import RMSNorm, _param, apply_rope, rope_inv_freq
+from .layers import RMSNorm, _param, apply_rope, rope_inv_freq
 from .quant import qeinsum
 from .specs import MLASpec
 

@@ -28,14 +28,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels import resolve_backend
+from pallas_kernels.common import resolve_backend, swiglu
 from pallas_kernels.grouped_matmul import (BACKEND_ENV_VAR, EXTRA_BACKENDS, default_tile_rows,
                                            grouped_matmul, plan_groups)
 
 from .config import MoEConfig
-from .model import MLP, _param, swiglu
-from .quant import is_quantized, spec_like, value
-from .sharding import P, active_mesh, axis_size, batch_axis, shard_kernel
+from .layers import MLP, _param
+from .qarray import is_quantized, value
+from .sharding import P, active_mesh, axis_size, batch_axis, shard_kernel, spec_like
 
 # Router parameters stay float32 whatever the model dtype: the checkpoints keep the bias
 # in float32 and a bf16 router could flip which experts are chosen.
@@ -96,7 +96,7 @@ def expert_swiglu(x, ids, weights, gate_up, down, first_expert=0, limit=None):
     x [.., d]; ids, weights [.., top_k]; gate_up [e, d, 2, f], down [e, f, d] hold experts
     first_expert .. first_expert + e - 1 (arrays, or QArrays whose scales the grouped
     matmul applies per expert); rows routed elsewhere contribute 0 and read no weights.
-    `limit`: clamped SwiGLU (model.swiglu).
+    `limit`: clamped SwiGLU (pallas_kernels.common.swiglu).
     """
     lead, d = x.shape[:-1], x.shape[-1]
     e, _, _, f = gate_up.shape

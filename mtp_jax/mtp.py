@@ -25,8 +25,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .config import ModelConfig
-from .model import Attend, Block, Decoder, RMSNorm, _param
-from .quant import DRAFT_HEAD_MAX_ROWS, qeinsum, reads_head_copy, take_rows, value
+from .layers import Attend, RMSNorm, _param, causal_attend
+from .model import Block, Decoder
+from .qarray import take_rows, value
+from .quant import DRAFT_HEAD_MAX_ROWS, qeinsum, reads_head_copy
 
 
 class MTPInput(nnx.Module):
@@ -172,15 +174,13 @@ def forward_train(model: MTPModel, tokens, num_modules=None, attend_for=None):
     tokens [b, T]. Returns (target logits [b, T, v], list of module logits): module k
     (0-based) at anchor i consumes t_{i+k+1} and predicts t_{i+k+2}, over anchors
     0..T-k-2, DeepSeek style (module k-1's hidden over the same anchors for `previous`).
-    attend_for(positions) -> attend backend (default `model.causal_attend`).
+    attend_for(positions) -> attend backend (default `layers.causal_attend`).
     """
-    from .model import causal_attend
-
-    causal_attend = attend_for or causal_attend
+    attend_for = attend_for or causal_attend
     cfg = model.cfg
     b, T = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(T), (b, T))
-    attend = causal_attend(pos)
+    attend = attend_for(pos)
     normed, pre = model.target(tokens, pos, attend)
     logits = model.target.head(normed)
     h0 = model.target.mtp_hidden(normed, pre)
@@ -191,6 +191,6 @@ def forward_train(model: MTPModel, tokens, num_modules=None, attend_for=None):
         span = T - k - 1
         p = pos[:, :span]
         src = h[:, :span] if cfg.mtp_hidden_source == "previous" else h0[:, :span]
-        h, out = model.draft(k, tokens[:, k + 1: k + 1 + span], src, p, causal_attend(p))
+        h, out = model.draft(k, tokens[:, k + 1: k + 1 + span], src, p, attend_for(p))
         outs.append(model.draft_logits(k, out))
     return logits, outs

@@ -1,11 +1,8 @@
 """Weight-only quantization: int8 / fp8 weights with float32 scales, and the matmuls over them.
 
-A quantized parameter is a `QArray(values, scale)`: `values` in the parameter's own layout
-(model.py) as int8 or float8_e4m3fn, `scale` float32 of the same rank, each of its dims
-dividing the value's. Along a contraction axis of the weight the scale holds one entry per
-block of `values.shape[a] // scale.shape[a]` elements (size 1: the whole axis, i.e. one
-scale per output channel); along every other axis one entry per element. The weight is
-`values * scale`, the scale broadcast over its blocks. So one representation covers
+A quantized parameter is a `QArray(values, scale)` (qarray.py): values in the parameter's
+own layout as int8 or float8_e4m3fn, float32 scales of the same rank, per element or per
+block of a contraction axis. So one representation covers
 
 - `int8`:      per output channel, symmetric, scale = max|w| / 127 (gpt-fast's int8);
 - `fp8`:       per output channel, float8_e4m3fn, scale = max|w| / 448;
@@ -30,12 +27,12 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .config import QUANT_MODES, ConfigError
+from .qarray import QArray, expand_scale, is_quantized, value
 from .sharding import one_device
 
 MODES = QUANT_MODES
@@ -63,65 +60,6 @@ DRAFT_HEAD_MAX_ROWS = 64
 
 class QuantizationError(ConfigError):
     """A quantization request that cannot be honoured (mode, backend, already quantized)."""
-
-
-@flax.struct.dataclass
-class QArray:
-    values: jax.Array  # int8 / float8_e4m3fn, the parameter's layout
-    scale: jax.Array  # float32, same rank; every dim divides the value's
-
-    @property
-    def shape(self) -> tuple:
-        return self.values.shape
-
-    @property
-    def ndim(self) -> int:
-        return self.values.ndim
-
-    @property
-    def blocks(self) -> tuple:
-        """Elements per scale along each axis."""
-        return tuple(v // s for v, s in zip(self.values.shape, self.scale.shape))
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.values.size * self.values.dtype.itemsize + self.scale.size * 4)
-
-    @property
-    def T(self) -> "QArray":
-        return QArray(self.values.T, self.scale.T)
-
-    def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        return (expand_scale(self.scale, self.values.shape) * self.values.astype(jnp.float32)
-                ).astype(dtype)
-
-    def rows(self, ids, dtype) -> jax.Array:
-        """Rows `ids` of a 2-D table (an embedding), dequantized: [..., d]."""
-        return QArray(self.values[ids], self.scale[ids]).dequantize(dtype)
-
-
-def expand_scale(scale, shape):
-    """scale broadcast over its blocks to `shape` (jnp or numpy arrays)."""
-    xp = np if isinstance(scale, np.ndarray) else jnp
-    for a, (v, s) in enumerate(zip(shape, scale.shape)):
-        if v != s:
-            scale = xp.repeat(scale, v // s, axis=a)
-    return scale
-
-
-def take_rows(param, ids, dtype):
-    """Rows `ids` of an embedding table (plain or quantized) in `dtype`: [..., d]."""
-    w = value(param)
-    return w.rows(ids, dtype) if is_quantized(w) else w[ids]
-
-
-def is_quantized(x) -> bool:
-    return isinstance(x, QArray)
-
-
-def value(param):
-    """A parameter's array, or its QArray (nnx.Param or a plain array / QArray)."""
-    return param.get_value() if hasattr(param, "get_value") else param
 
 
 def check_mode(mode: Optional[str]) -> Optional[str]:
@@ -339,7 +277,7 @@ def _use_kernel(mkn: tuple, s: int, per_channel: bool, values_dtype=None,
     backend (or $MTP_JAX_QMATMUL_BACKEND naming one; `reference` never), decode sizes
     (`limit` rows, else KERNEL_MAX_ROWS, PER_CHANNEL_KERNEL_MAX_ROWS), shapes its blocks
     tile, one device (XLA cannot partition a Pallas call: under a mesh the XLA path runs)."""
-    from pallas_kernels import resolve_backend
+    from pallas_kernels.common import resolve_backend
     from pallas_kernels.quant_matmul import fits
 
     backend = resolve_backend(None, BACKEND_ENV_VAR, "quantized-matmul")
@@ -351,90 +289,8 @@ def _use_kernel(mkn: tuple, s: int, per_channel: bool, values_dtype=None,
     return one_device()
 
 
-# ------------------------------------------------------------------ fp8 KV scales
-FP8_KV_DTYPE = "float8_e4m3fn"
-KV_MARGIN = 2.0  # headroom over the calibration maximum before values saturate at 448
-# What `calibrate_kv_scales` runs when the caller gives nothing: code and prose, so the
-# keys and values see the kinds of tokens a job is likely to hold.
-CALIBRATION_TEXT = """\
-import numpy as np
-
-
-def moving_average(values, window=3):
-    \"\"\"Mean of each run of `window` consecutive values.\"\"\"
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    out = []
-    for i in range(len(values) - window + 1):
-        out.append(sum(values[i:i + window]) / window)
-    return np.asarray(out, dtype=np.float32)
-
-
-class Counter(dict):
-    def add(self, key, n=1):
-        self[key] = self.get(key, 0) + n
-        return self[key]
-
-
-The engine reads every key and value of the cache at each step, so the cache's bytes set
-the speed of decoding at long contexts. Storing them in eight bits halves those bytes;
-each head keeps one scale for its keys and one for its values, chosen once from text
-like this and then fixed, so every request sees the same numbers.
-"""
-
-
-def calibrate_kv_scales(model, token_rows=None, margin: float = KV_MARGIN) -> tuple:
-    """Per cache layer (target layers, then MTP modules): (k scales [H], v scales [H]) for
-    an fp8 KV cache (a latent MLA layer: ((latent scale, rope scale), ()), the row's two
-    parts), from the largest |key| / |value| each kv head (part) produces over
-    `token_rows` ([b, T] token ids; default CALIBRATION_TEXT through the tokenizer, or
-    random ids without one) times `margin`, over fp8's largest value 448. A token whose
-    keys exceed that later is saturated (clipped), not turned into Inf."""
-    from flax import nnx
-
-    from .model import causal_attend
-    from .mtp import forward_train
-
-    cfg = model.config
-    if token_rows is None:
-        if model.tokenizer is not None:
-            ids = model.tokenizer.encode(CALIBRATION_TEXT).ids
-        else:
-            ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 512).tolist()
-        token_rows = [ids[: min(len(ids), cfg.max_position_embeddings)]]
-    tokens = jnp.asarray(token_rows, jnp.int32)
-
-    @jax.jit
-    def amax(params, tokens):
-        seen = {}
-
-        def recording(positions):
-            inner = causal_attend(positions)
-
-            def attend(layer, q, k, v, window, *, sm_scale=None, v_dim=None, sinks=None):
-                def amax(x, axis):
-                    return jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis)
-                if v is None:  # a latent row: its latent and rope parts, one scale each
-                    got = (jnp.stack([amax(k[..., :v_dim], None), amax(k[..., v_dim:], None)]),)
-                else:  # per kv head, keys and values
-                    got = (amax(k, (0, 1, 3)), amax(v, (0, 1, 3)))
-                old = seen.get(layer)
-                seen[layer] = got if old is None else tuple(map(jnp.maximum, old, got))
-                return inner(layer, q, k, v, window, sm_scale=sm_scale, v_dim=v_dim,
-                             sinks=sinks)
-            return attend
-
-        forward_train(nnx.merge(model.graphdef, params), tokens, attend_for=recording)
-        return seen
-
-    seen = jax.device_get(amax(model.params, tokens))
-
-    def scales(a):
-        a = np.asarray(a, np.float64) * margin / FP8_MAX
-        return tuple(float(x) if x > 0 and np.isfinite(x) else 1.0 for x in a)
-
-    return tuple((scales(seen[i][0]), scales(seen[i][1]) if len(seen[i]) == 2 else ())
-                 for i in sorted(seen))
+# ------------------------------------------------------------------- fp8 KV cache
+FP8_KV_DTYPE = "float8_e4m3fn"  # scales per kv head: calibration.calibrate_kv_scales
 
 
 def latent_row_scale(parts, dim: int, v_dim: int):
@@ -443,65 +299,7 @@ def latent_row_scale(parts, dim: int, v_dim: int):
     return jnp.where(jnp.arange(dim) < v_dim, parts[0], parts[1])
 
 
-def fp8_kv_attend(scales):
-    """attend_for(positions) for `mtp.forward_train`: causal attention over keys and
-    values rounded through fp8 with per-layer, per-kv-head `scales`, exactly as an fp8
-    cache stores them (write_rows) and the kernels read them back (page * scale)."""
-    from pallas_kernels.kv_write import quantize_rows
-
-    from .model import causal_attend
-
-    def rounded(x, s):  # x [b, t, heads, d]
-        s = jnp.asarray(s, jnp.float32)
-        rows = x.reshape(-1, x.shape[2], x.shape[3]).swapaxes(0, 1)  # [heads, b*t, d]
-        back = quantize_rows(rows, s, jnp.float8_e4m3fn).astype(jnp.float32) * s[:, None, None]
-        return back.swapaxes(0, 1).reshape(x.shape).astype(x.dtype)
-
-    def attend_for(positions):
-        inner = causal_attend(positions)
-
-        def attend(layer, q, k, v, window, *, sm_scale=None, v_dim=None, sinks=None):
-            ks, vs = scales[layer]
-            if v is None:  # a latent row: its two parts over their own scales
-                per_dim = latent_row_scale(ks, k.shape[-1], v_dim)
-                back = quantize_rows(k.astype(jnp.float32) / per_dim, None, jnp.float8_e4m3fn)
-                k = (back.astype(jnp.float32) * per_dim).astype(k.dtype)
-            else:
-                k, v = rounded(k, ks), rounded(v, vs)
-            return inner(layer, q, k, v, window, sm_scale=sm_scale, v_dim=v_dim, sinks=sinks)
-        return attend
-
-    return attend_for
-
-
-# ---------------------------------------------------------------- sharding helpers
-def spec_like(w, spec, mesh=None):
-    """The sharding spec pytree for a parameter: `spec` itself, or for a QArray the spec
-    for its values and, for its scale, the same spec on every axis held per element or in
-    blocks that divide over the mesh axis (each shard then holds its own rows' scales);
-    a whole-axis scale (size 1) or blocks that do not divide stay replicated."""
-    if not is_quantized(w):
-        return spec
-    from jax.sharding import PartitionSpec as P
-
-    from .sharding import active_mesh, axis_size
-
-    mesh = mesh if mesh is not None else active_mesh()
-    parts = list(spec) + [None] * (w.ndim - len(spec))
-
-    def scale_part(p, s, v):
-        if p is None or s == v:
-            return p
-        names = p if isinstance(p, tuple) else (p,)
-        size = math.prod(axis_size(mesh, a) for a in names)
-        return p if s > 1 and s % size == 0 else None
-
-    return QArray(P(*parts), P(*[scale_part(p, s, v) for p, s, v in
-                                 zip(parts, w.scale.shape, w.shape)]))
-
-
-__all__ = ["QArray", "MODES", "QuantizationError", "quantize", "quantize_module",
-           "quantize_params", "quantize_array", "quant_axes", "qeinsum", "compress_scale",
-           "mode_of", "check_mode", "reads_head_copy", "check_backend",
-           "is_quantized", "value", "spec_like", "take_rows", "expand_scale",
-           "calibrate_kv_scales", "fp8_kv_attend", "FP8_KV_DTYPE"]
+__all__ = ["MODES", "QuantizationError", "quantize", "quantize_module", "quantize_params",
+           "quantize_array", "quant_axes", "qeinsum", "compress_scale", "mode_of",
+           "check_mode", "reads_head_copy", "check_backend", "latent_row_scale",
+           "FP8_KV_DTYPE"]

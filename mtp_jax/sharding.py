@@ -7,10 +7,11 @@ routed experts are split over it; attention and dense parts are replicated over 
 meshes that ask for it (`make_mesh("ep=2,tp=2")`); `axis_size` reads 1 for a missing axis.
 
 Every parameter's logical axes are derived from its name and rank (the layouts are
-documented in model.py); `RULES` maps logical axes to mesh axes. An axis whose size does
-not divide by its mesh axis stays replicated. XLA's SPMD partitioner shards the einsums
-from these parameter shardings (Megatron pattern: qkv / gate_up by head and MLP column,
-o / down contracting the sharded axis with one all-reduce; lm_head by vocabulary).
+documented in attention.py, layers.py, mla.py and moe.py); `RULES` maps logical axes to
+mesh axes. An axis whose size does not divide by its mesh axis stays replicated. XLA's
+SPMD partitioner shards the einsums from these parameter shardings (Megatron pattern:
+qkv / gate_up by head and MLP column, o / down contracting the sharded axis with one
+all-reduce; lm_head by vocabulary).
 
 The Pallas kernels cannot be partitioned by XLA, so they run per shard under
 `jax.shard_map` (`shard_kernel`): paged attention and KV writes per kv-head shard (and
@@ -26,12 +27,16 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 import re
 from typing import Optional
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from .config import ConfigError
+from .qarray import QArray, is_quantized
 
 RULES = {"vocab": "tp", "kv_heads": "tp", "q_heads": "tp", "mlp": "tp", "batch": "dp",
          "expert": "ep", "embed": None}
@@ -121,8 +126,6 @@ def make_mesh(spec: Optional[str], devices=None) -> Optional[Mesh]:
 
 def check_mesh(cfg, mesh: Optional[Mesh]) -> None:
     """ConfigError for a mesh the model cannot be split over (before anything is placed)."""
-    from .config import ConfigError
-
     ep = axis_size(mesh, "ep")
     if ep == 1:
         return
@@ -154,11 +157,30 @@ def param_spec(mesh: Mesh, path: tuple, shape) -> P:
 
 def param_value_sharding(mesh: Mesh, path: tuple, v):
     """NamedShardings for a parameter's value: an array, or a QArray (values and scale)."""
-    from .quant import spec_like
-
     spec = spec_like(v, param_spec(mesh, tuple(path), v.shape), mesh)
     return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), spec,
                                   is_leaf=lambda x: isinstance(x, P))
+
+
+def spec_like(w, spec, mesh=None):
+    """The sharding spec pytree for a parameter: `spec` itself, or for a QArray the spec
+    for its values and, for its scale, the same spec on every axis held per element or in
+    blocks that divide over the mesh axis (each shard then holds its own rows' scales);
+    a whole-axis scale (size 1) or blocks that do not divide stay replicated."""
+    if not is_quantized(w):
+        return spec
+    mesh = mesh if mesh is not None else active_mesh()
+    parts = list(spec) + [None] * (w.ndim - len(spec))
+
+    def scale_part(p, s, v):
+        if p is None or s == v:
+            return p
+        names = p if isinstance(p, tuple) else (p,)
+        size = math.prod(axis_size(mesh, a) for a in names)
+        return p if s > 1 and s % size == 0 else None
+
+    return QArray(P(*parts), P(*[scale_part(p, s, v) for p, s, v in
+                                 zip(parts, w.scale.shape, w.shape)]))
 
 
 def param_sharding(mesh: Optional[Mesh]):

@@ -57,7 +57,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import check_positive_ints, first_divisor, next_pow2, resolve_backend
+from pallas_kernels.common import (check_positive_ints, first_divisor, next_pow2,
+                                   resolve_backend)
 from pallas_kernels.quant_matmul import VALUE_DTYPES, check_quantized
 
 BACKEND_ENV_VAR = "MTP_JAX_MOE_BACKEND"

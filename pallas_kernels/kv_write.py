@@ -21,31 +21,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels import resolve_backend
+from pallas_kernels.common import resolve_backend, stored
 
 DROP_SLOT = 2**31 - 1  # slot meaning "do not write"
-
-FP8_DTYPE = jnp.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-_F32_MAX = float(jnp.finfo(jnp.float32).max)
-
-
-def stored(x, scale, dtype):
-  """Values x as stored in pages of `dtype`: x / scale (scale None: 1.0; otherwise f32,
-  broadcasting against x), saturated to +-FP8_MAX for fp8 with non-finite inputs kept NaN;
-  other dtypes are a cast. Elementwise ops only (abs / compare / max / min rather than
-  isfinite / clip), so the GPU write kernel stores through the same function."""
-  if scale is None and dtype != FP8_DTYPE:
-    return x.astype(dtype)
-  y = x.astype(jnp.float32)
-  if scale is not None:
-    y = y / scale
-  if dtype == FP8_DTYPE:
-    # Saturate on the input's finiteness, not y's: a finite row over a tiny scale may
-    # overflow y to inf, and that is still a large value, not a non-finite one.
-    finite = jnp.abs(x.astype(jnp.float32)) <= _F32_MAX  # False for NaN and +-inf
-    y = jnp.where(finite, jnp.minimum(jnp.maximum(y, -FP8_MAX), FP8_MAX), jnp.nan)
-  return y.astype(dtype)
 
 
 def quantize_rows(rows, scale, dtype):

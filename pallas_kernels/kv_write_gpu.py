@@ -31,9 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.kv_write import stored
-from pallas_kernels.paged_attention import head_scales
-from pallas_kernels.paged_attention_gpu import key_dim_parts
+from pallas_kernels.common import head_scales, key_dim_parts, stored
 
 def _kernel(slots_ref, scale_ref, *refs, n, num_tokens, block_t, has_scale):
   news, outs = refs[:n], refs[2 * n:]  # refs[n:2n]: the pages in, aliased to outs

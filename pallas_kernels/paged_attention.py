@@ -79,14 +79,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import (BACKENDS, check_positive_ints, next_pow2,  # noqa: F401
-                            resolve_backend)  # (BACKENDS re-exported)
-from pallas_kernels.kv_write import FP8_DTYPE  # the quantized page dtype
+from pallas_kernels.common import (FP8_DTYPE, check_positive_ints, head_scales, next_pow2,
+                                   resolve_backend, unpack_rows)
 
 BACKEND_ENV_VAR = "MTP_JAX_ATTENTION_BACKEND"
-
-# Finite stand-in for -inf in the kernels' running max: (-inf) - (-inf) would be NaN.
-MASK_VALUE = -1e30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +109,6 @@ class BlockConfig:
         raise ValueError(f"BlockConfig.{name} must be a power of two, got {v}.")
     if self.rows_per_block < 8:
       raise ValueError(f"BlockConfig.rows_per_block must be >= 8, got {self.rows_per_block}.")
-
 
 
 def default_block_config(batch, q_len, num_q_heads, num_kv_heads, page_size, max_pages,
@@ -174,56 +169,6 @@ def default_block_config(batch, q_len, num_q_heads, num_kv_heads, page_size, max
                      num_warps=8 if rows_per_block >= 64 else 4)
 
 
-def visible_mask(row, pos, *, kv_len, q_len, group, window, kv_capacity):
-  """Which (packed row, kv position) pairs take part in attention (kernel helper).
-
-  Packed row r holds query i = r // group; rows past q_len * group (padding) repeat the
-  last query. Mosaic has no vector integer divide, so both tests are rewritten without
-  it: p < kv_len - q_len + 1 + r // G  <=>  (p - kv_len + q_len) * G <= r, and
-  p >= kv_len - q_len + 1 + r // G - W  <=>  r < (p - kv_len + q_len + W) * G.
-  """
-  row = jnp.minimum(row, q_len * group - 1)
-  rel = pos - kv_len + q_len
-  mask = (rel * group <= row) & (pos < kv_capacity)
-  if window is not None:
-    mask &= row < (rel + window) * group
-  return mask
-
-
-def _tile_queries(tile, rows_per_block, group, q_len):
-  """The first and last query of a row tile's packed rows (padding rows repeat the last
-  query). All operands are non-negative, so lax.div is floor division."""
-  first = jnp.minimum(lax.div(tile * rows_per_block, group), q_len - 1)
-  last = jnp.minimum(lax.div(tile * rows_per_block + rows_per_block - 1, group), q_len - 1)
-  return first, last
-
-
-def _kv_range(start_query, end_query, *, kv_len, q_len, window, kv_capacity):
-  """[lo, hi): from the first kv position `start_query` sees (its window's start) to the
-  end of what `end_query` sees; lo <= hi."""
-  hi = jnp.clip(kv_len - q_len + end_query + 1, 0, kv_capacity)
-  lo = jnp.zeros_like(hi)
-  if window is not None:
-    lo = jnp.clip(kv_len - q_len + start_query + 1 - window, 0, hi)
-  return lo, hi
-
-
-def tile_kv_range(tile, *, kv_len, rows_per_block, q_len, group, window, kv_capacity):
-  """[lo, hi): the kv positions seen by any row of a row tile (kernel helper, scalars)."""
-  first, last = _tile_queries(tile, rows_per_block, group, q_len)
-  return _kv_range(first, last, kv_len=kv_len, q_len=q_len, window=window,
-                   kv_capacity=kv_capacity)
-
-
-def tile_full_range(tile, *, kv_len, rows_per_block, q_len, group, window, kv_capacity):
-  """[lo, hi): the kv positions seen by every row of a row tile (kernel helper, scalars;
-  empty when none is). Blocks inside it need no mask: every (row, position) pair of them
-  takes part. The tile's first query bounds hi, its last one lo."""
-  first, last = _tile_queries(tile, rows_per_block, group, q_len)
-  return _kv_range(last, first, kv_len=kv_len, q_len=q_len, window=window,
-                   kv_capacity=kv_capacity)
-
-
 def _resolve_backend(backend):
   return resolve_backend(backend, BACKEND_ENV_VAR, "paged-attention")
 
@@ -274,21 +219,6 @@ def _check_inputs(q, k_pages, v_pages, block_tables, kv_lens, sliding_window, so
                        f"None, got shape {getattr(scale, 'shape', type(scale).__name__)}.")
     if not jnp.issubdtype(scale.dtype, jnp.floating):
       raise ValueError(f"{name} must be a float array, got {scale.dtype}.")
-
-
-def head_scales(*scales, num_kv_heads):
-  """[KVH, len(scales)] f32: each [KVH] scale (here k_scale, v_scale) per kv head, 1.0
-  where a scale is None."""
-  ones = jnp.ones((num_kv_heads,), jnp.float32)
-  return jnp.stack([ones if s is None else s.astype(jnp.float32) for s in scales], axis=1)
-
-
-def unpack_rows(out, q_len, group):
-  """A kernel's packed output [B, KVH, R, W] (row r = i*G + g, padded past Q*G) as
-  [B, Q, KVH*G, W]: query i's head h*G + g."""
-  batch, kv_heads, _, width = out.shape
-  out = out[:, :, :q_len * group].reshape(batch, kv_heads, q_len, group, width)
-  return out.transpose(0, 2, 1, 3, 4).reshape(batch, q_len, kv_heads * group, width)
 
 
 @functools.partial(jax.jit, static_argnames=("sliding_window", "soft_cap", "sm_scale",

@@ -22,9 +22,10 @@ K and V are gathered as 2-D [block_k, width] masked loads with one table entry p
 Gathering [pages, page_size, D] and reshaping to [block_k, D] computes the same thing,
 but Triton then did not pipeline the loads: 2.3 TB/s against 4.1 TB/s at B=64, 4k
 context on an H200 (docs/BENCHMARKS.md). A key dim that is not a power of two is split
-into power-of-two parts (`key_dim_parts`: 192 = 128 + 64), one gather and one dot each;
-a part or value dim that is not a power of two >= 16 is padded up by masked loads
-(`dim_tile`), and the output then carries dim_tile(Dv) columns, sliced by the caller.
+into power-of-two parts (`common.key_dim_parts`: 192 = 128 + 64), one gather and one dot
+each; a part or value dim that is not a power of two >= 16 is padded up by masked loads
+(`common.gpu_dim_tile`), and the output then carries gpu_dim_tile(Dv) columns, sliced by
+the caller.
 
 fp8 pages are loaded as 1-byte values and converted to q's dtype in registers right after
 the gather (half the HBM bytes of bf16; the dots stay bf16 / f32). The per-kv-head scales
@@ -42,29 +43,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.paged_attention import (MASK_VALUE, tile_full_range, tile_kv_range,
-                                            unpack_rows, visible_mask)
+from pallas_kernels.common import (MASK_VALUE, combine_splits, gpu_dim_tile, key_dim_parts,
+                                   normalised, store_rows, tile_full_range, tile_kv_range,
+                                   unpack_rows, visible_mask)
 
 
 LOG2E = 1.4426950408889634  # log2(e): logits in base 2
 LN2 = 0.6931471805599453  # ln(2): a base-2 running max back to natural log units
-
-
-def dim_tile(n: int) -> int:
-  """Tile width for a head-dim part of width n: a power of two >= 16 (Triton tiles are
-  powers of two; tensor-core dots need >= 16). Columns past n are masked-load zeros."""
-  return max(16, 1 << (n - 1).bit_length())
-
-
-def key_dim_parts(head_dim: int) -> tuple[tuple[int, int, int], ...]:
-  """(start, width, tile) of each key-dim part: one part when head_dim is a power of two
-  or below 16, else its largest power-of-two prefix and the rest (192 = 128 + 64,
-  48 = 32 + 16; a tail that is not a power of two >= 16 is padded up by masked loads).
-  Each part is its own gather and q . k^T dot (the pages are read once either way)."""
-  head = 1 << (head_dim.bit_length() - 1)
-  if head == head_dim or head < 16:
-    return ((0, head_dim, dim_tile(head_dim)),)
-  return ((0, head, head), (head, head_dim - head, dim_tile(head_dim - head)))
 
 
 def _packed_rows(tile, rows, *, q_len, group, num_q_heads):
@@ -117,7 +102,7 @@ def _kernel(kv_lens_ref, bt_ref, scale_ref, q_ref, k_ref, v_ref, *refs, sm_scale
   end = jnp.minimum(begin + per_split, num_blocks)
 
   k_parts = key_dim_parts(head_dim)
-  v_part = (0, v_dim, dim_tile(v_dim))
+  v_part = (0, v_dim, gpu_dim_tile(v_dim))
   # fp8 pages under bf16 queries compute in float16: e4m3 -> f16 is one packed
   # conversion, -> bf16 goes through f32 (two more per value); q and p fit f16's range
   # at attention's magnitudes, and its mantissa is finer than bf16's.
@@ -221,47 +206,13 @@ def _kernel(kv_lens_ref, bt_ref, scale_ref, q_ref, k_ref, v_ref, *refs, sm_scale
     store_rows(out_refs, acc, m * LN2, l, v_scale)
 
 
-def normalised(acc, l, v_scale=None):
-  """A tile's output rows: acc / l, 0 where a row saw nothing (l == 0), times v_scale (a
-  scalar, or None)."""
-  seen = l != 0.0
-  out = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0)
-  return out if v_scale is None else out * v_scale
-
-
-def store_rows(out_refs, acc, m, l, v_scale=None):
-  """Normalise a tile's f32 accumulator and store it: the output alone (one split), or
-  the normalised partial and its log-sum-exp for `combine_splits` (several). Rows that
-  saw nothing store 0 (lse -inf); a NaN in a visible position stays NaN. v_scale (a
-  scalar, or None) multiplies the output, not the lse: the combine is linear in it."""
-  seen = l != 0.0
-  out = normalised(acc, l, v_scale)
-  if len(out_refs) == 1:
-    (o_ref,) = out_refs
-    o_ref[...] = out.astype(o_ref.dtype)
-  else:
-    o_ref, lse_ref = out_refs
-    o_ref[...] = out
-    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
-
-
-def combine_splits(o_parts, lse):
-  """Merge split-K partials: o_parts [S, ..., D] (normalised), lse [S, ...] (-inf: empty)."""
-  top = lse.max(axis=0)
-  top = jnp.where(jnp.isfinite(top), top, 0.0)
-  w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - top), 0.0)
-  den = w.sum(axis=0)
-  o = (w[..., None] * o_parts).sum(axis=0)
-  return o / jnp.where(den > 0.0, den, 1.0)[..., None]
-
-
 def paged_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, scales, sink_rows=None,
                         *, q_len, group, sm_scale, soft_cap, window, pages_per_block,
                         num_splits, rows_per_block, num_warps, num_stages, interpret):
   """q [B, Q, Hq, D] as the op takes it (the kernel gathers each kv head's packed rows
   itself), pages in q's dtype or fp8, scales [KVH, 2] f32 (k_scale, v_scale per kv head),
   sink_rows None or [KVH, R] f32 (packed row r's sink, R the packed rows padded to the
-  tile) -> [B, Q, Hq, dim_tile(Dv)] in q's dtype; columns past Dv are zero. One split
+  tile) -> [B, Q, Hq, gpu_dim_tile(Dv)] in q's dtype; columns past Dv are zero. One split
   stores its rows straight into that layout; split partials keep the packed layout and
   their combine unpacks."""
   batch, _, num_q_heads, head_dim = q.shape
@@ -282,7 +233,7 @@ def paged_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, scales, sink
   packed = q_len * group
   rows = -(-packed // rows_per_block) * rows_per_block
   grid = (batch, kv_heads, rows // rows_per_block, num_splits)
-  v_tile = dim_tile(v_dim)
+  v_tile = gpu_dim_tile(v_dim)
 
   kernel = functools.partial(
       _kernel, sm_scale=sm_scale, soft_cap=soft_cap, window=window, q_len=q_len,

@@ -34,17 +34,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.paged_attention import MASK_VALUE, tile_kv_range, visible_mask
+from pallas_kernels.common import MASK_VALUE, tile_kv_range, to_compute, visible_mask
 
 # Rows of a VMEM tile of 8-bit data: (32, 128), four rows packed per 32-bit sublane.
 FP8_TILE_ROWS = 32
-
-
-def _to_compute(x, dtype):
-  """x in dtype; a different float type (fp8) goes through f32, which Mosaic converts."""
-  if x.dtype == dtype:
-    return x
-  return x.astype(jnp.float32).astype(dtype)
 
 
 def _kernel(kv_lens_ref, bt_ref, scale_ref, q_ref, k_hbm, v_hbm, *refs, sm_scale, soft_cap,
@@ -118,8 +111,8 @@ def _kernel(kv_lens_ref, bt_ref, scale_ref, q_ref, k_hbm, v_hbm, *refs, sm_scale
       start(j + 1, 1 - slot)
 
     wait(j, slot)
-    k = _to_compute(k_buf[slot], q.dtype)
-    v = _to_compute(v_buf[slot], q.dtype)
+    k = to_compute(k_buf[slot], q.dtype)
+    v = to_compute(v_buf[slot], q.dtype)
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                         preferred_element_type=jnp.float32) * logit_scale
     if soft_cap is not None:

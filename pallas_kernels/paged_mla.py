@@ -64,8 +64,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import check_positive_ints, next_pow2, resolve_backend
-from pallas_kernels.kv_write import FP8_DTYPE  # the quantized page dtype
+from pallas_kernels.common import FP8_DTYPE, check_positive_ints, next_pow2, resolve_backend
 
 BACKEND_ENV_VAR = "MTP_JAX_MLA_BACKEND"
 
@@ -93,16 +92,6 @@ class MLABlockConfig:
     if self.rows_per_block % 8:
       raise ValueError("MLABlockConfig.rows_per_block must be a multiple of 8, got "
                        f"{self.rows_per_block}.")
-
-
-
-def gpu_dim_tile(n: int) -> int:
-  """Tile width the GPU kernel uses for a head-dim part of width n (0: no such part).
-
-  Triton tiles are powers of two and tensor-core dots need >= 16, so a part is padded
-  up to the next such width by masked loads; padded columns are read as zeros.
-  """
-  return 0 if n == 0 else max(16, next_pow2(n))
 
 
 def default_block_config(batch, q_len, num_heads, page_size, max_pages, head_dim, dtype,

@@ -48,10 +48,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.paged_attention import (MASK_VALUE, tile_full_range, tile_kv_range,
-                                            visible_mask)
-from pallas_kernels.paged_attention_gpu import combine_splits, store_rows
-from pallas_kernels.paged_mla import gpu_dim_tile
+from pallas_kernels.common import (MASK_VALUE, combine_splits, gpu_dim_tile, store_rows,
+                                   tile_full_range, tile_kv_range, visible_mask)
 
 
 def _load_cols(ref, start, width, tile):

@@ -34,8 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.paged_attention import MASK_VALUE, tile_kv_range, visible_mask
-from pallas_kernels.paged_attention_tpu import _to_compute  # fp8 -> q's dtype, via f32
+from pallas_kernels.common import MASK_VALUE, tile_kv_range, to_compute, visible_mask
 
 
 def _kernel(kv_lens_ref, bt_ref, q_ref, kv_hbm, o_ref, kv_buf, acc_ref, sems, *,
@@ -100,12 +99,12 @@ def _kernel(kv_lens_ref, bt_ref, q_ref, kv_hbm, o_ref, kv_buf, acc_ref, sems, *,
     # Slots past `hi` hold stale or never-copied data (maybe NaN): zero the latent part,
     # which is also the V. The rope part only reaches masked score columns.
     # fp8 pages: to q's dtype right after the buffer read (exact for e4m3 values).
-    lat = _to_compute(kv_buf[slot, :, :v_dim], q_lat.dtype)
+    lat = to_compute(kv_buf[slot, :, :v_dim], q_lat.dtype)
     lat = jnp.where(pos0 + kv_row < hi, lat, jnp.zeros_like(lat))
     s = lax.dot_general(q_lat, lat, nt, precision=precision,
                         preferred_element_type=jnp.float32)
     if rope_dim:
-      rope = _to_compute(kv_buf[slot, :, v_dim:], q_lat.dtype)
+      rope = to_compute(kv_buf[slot, :, v_dim:], q_lat.dtype)
       s += lax.dot_general(q_rope, rope, nt, precision=precision,
                            preferred_element_type=jnp.float32)
     mask = visible_mask(row, pos0 + col, kv_len=kv_len, q_len=q_len, group=num_heads,

@@ -55,7 +55,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import check_positive_ints, first_divisor, next_pow2, resolve_backend
+from pallas_kernels.common import (check_positive_ints, first_divisor, next_pow2,
+                                   resolve_backend)
 
 BACKEND_ENV_VAR = "MTP_JAX_QMATMUL_BACKEND"
 X_DTYPES = (jnp.bfloat16, jnp.float32)

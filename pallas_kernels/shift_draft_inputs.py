@@ -79,8 +79,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import BACKENDS
-from pallas_kernels import resolve_backend as _resolve
+from pallas_kernels.common import BACKENDS
+from pallas_kernels.common import resolve_backend as _resolve
 from pallas_kernels.kv_write import DROP_SLOT, slot_mapping
 
 __all__ = ["BACKEND_ENV_VAR", "BACKENDS", "DROP_SLOT", "BlockSizes", "resolve_backend",

@@ -31,7 +31,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import resolve_backend
+from pallas_kernels.common import resolve_backend, swiglu
 
 BACKEND_ENV_VAR = "MTP_JAX_SWIGLU_BACKEND"
 # Fewest rows that take the kernel. At 4096 x 2 x 11008 on an H100 it took 0.87-0.92x the
@@ -42,17 +42,6 @@ MIN_ROWS = 2048
 # 1.21x XLA's time at 2048 rows, too few tiles for the SMs; from F = 6144 up 0.84-1.01x.
 MIN_COLUMNS = 4096
 DTYPES = (jnp.bfloat16, jnp.float16)
-
-
-def swiglu(gate, up, limit=None):
-  """silu(gate) * up in the inputs' dtype, clamped as Step-3.5 does when `limit` is set:
-  min(silu(gate), L) * clip(up, -L, L). The model's SwiGLU, the reference's and the GPU
-  kernel's epilogue (min / max rather than clip, which is the same value)."""
-  act = jax.nn.silu(gate)
-  if limit is not None:
-    act = jnp.minimum(act, limit)
-    up = jnp.minimum(jnp.maximum(up, -limit), limit)
-  return act * up
 
 
 def reference(x, gate_up, limit=None):

@@ -30,8 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import check_positive_ints
-from pallas_kernels.swiglu_matmul import swiglu
+from pallas_kernels.common import check_positive_ints, swiglu
 
 
 @dataclasses.dataclass(frozen=True)

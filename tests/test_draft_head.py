@@ -11,6 +11,7 @@ from flax import nnx
 
 from mtp_jax import draft_vocab as dv
 from mtp_jax import quant
+from mtp_jax.qarray import is_quantized, value
 from mtp_jax.checkpoint import (CheckpointError, from_params, quantize_model, save_hf,
                                 save_orbax, to_flat, with_draft_head)
 from mtp_jax.config import ConfigError, EngineConfig, SamplingParams, SpecConfig
@@ -43,8 +44,8 @@ def test_small_products_read_the_quantized_copy_larger_ones_the_head(layout, kw,
     copies = q.module().draft_heads
     assert len(copies) == len(heads) == (base.config.num_mtp_modules
                                          if base.config.mtp_own_head else 1)
-    assert all(quant.is_quantized(quant.value(c.head)) and quant.value(c.head).shape ==
-               quant.value(h).shape for c, h in zip(copies, heads))
+    assert all(is_quantized(value(c.head)) and value(c.head).shape ==
+               value(h).shape for c, h in zip(copies, heads))
     assert quant.mode_of(q.params) is None  # the weights stay as they were
     d = base.config.hidden_size
     for rows in (1, ROWS, ROWS + 1):
@@ -55,7 +56,7 @@ def test_small_products_read_the_quantized_copy_larger_ones_the_head(layout, kw,
             if rows > ROWS:  # the head itself: the same logits, bit for bit
                 np.testing.assert_array_equal(got, want)
                 continue
-            head = quant.value(copies[min(k, len(copies) - 1)].head)
+            head = value(copies[min(k, len(copies) - 1)].head)
             small = np.asarray(normed @ head.dequantize())
             cols = np.array(vocab) if vocab is not None else np.arange(want.shape[-1])
             np.testing.assert_allclose(got[:, cols], small, rtol=1e-5, atol=1e-5)
@@ -91,7 +92,7 @@ def test_output_is_the_targets_whatever_the_copy_holds(model, monkeypatch):
     q = with_draft_head(model, "int8")
     flat = to_flat(q.params)
     flat[("draft_heads", 0, "head")] = quant.quantize_array(
-        -quant.value(model.module().target.lm_head), (0,), "int8")
+        -value(model.module().target.lm_head), (0,), "int8")
     worst = from_params(q.config, flat, jnp.float32)
     small = generate(worst, prompts, max_batch=3)  # 3 rows: the copy
     large = generate(worst, prompts, max_batch=4)  # the head

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mtp_jax import build_draft_vocab
 from mtp_jax import draft_vocab as dv
 from flax import nnx
 
@@ -150,8 +151,8 @@ def test_cli_counts_text_and_generate_uses_the_file(tmp_path, capsys):
     (corpus / "skip.bin").write_text("zzzz")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert dv.main(["--model", str(tmp_path / "m"), "--text", str(corpus), "--size", "20",
-                        "--output", str(tmp_path / "ids.json")]) == 0
+        assert build_draft_vocab.main(["--model", str(tmp_path / "m"), "--text", str(corpus),
+                                       "--size", "20", "--output", str(tmp_path / "ids.json")]) == 0
     doc = json.loads((tmp_path / "ids.json").read_text())
     tok = load(str(tmp_path / "m")).tokenizer
     counts = dv.count_text(tok, ["hello world hello " * 20], 100)

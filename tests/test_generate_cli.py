@@ -199,7 +199,7 @@ def test_unreadable_input_and_bad_setup(ckpt, tmp_path, capsys):
 
 
 def test_default_model_lookup(tmp_path, monkeypatch):
-    from mtp_jax.generate import DEFAULT_MODEL_ENV, default_model_dir
+    from mtp_jax.cli import DEFAULT_MODEL_ENV, default_model_dir
 
     monkeypatch.setenv(DEFAULT_MODEL_ENV, str(tmp_path))
     assert default_model_dir() == (tmp_path, None)  # empty

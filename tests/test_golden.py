@@ -33,7 +33,7 @@ from flax import nnx
 from mtp_jax.checkpoint import load
 from mtp_jax.config import EngineConfig, SamplingParams, SpecConfig
 from mtp_jax.engine import Engine, Request
-from mtp_jax.model import causal_attend
+from mtp_jax.layers import causal_attend
 from mtp_jax.mtp import forward_train
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")

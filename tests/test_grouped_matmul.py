@@ -339,7 +339,7 @@ def test_backend_dispatch(monkeypatch):
   with pytest.raises(ValueError, match="backend"):
     grouped_matmul(x, w, ids, backend="cuda-graph")
   # Other ops keep their backend list.
-  from pallas_kernels import resolve_backend
+  from pallas_kernels.common import resolve_backend
   with pytest.raises(ValueError, match="backend"):
     resolve_backend("ragged_dot", "MTP_JAX_ATTENTION_BACKEND", "paged-attention")
 

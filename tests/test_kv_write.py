@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.common import FP8_DTYPE, FP8_MAX
 from pallas_kernels.kv_write import (
-    DROP_SLOT, FP8_DTYPE, FP8_MAX, slot_mapping, write_kv, write_pages, write_rows)
+    DROP_SLOT, slot_mapping, write_kv, write_pages, write_rows)
 
 KVH, NUM_PAGES, PS, D = 2, 6, 4, 8
 

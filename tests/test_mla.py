@@ -26,7 +26,7 @@ from mtp_jax.checkpoint import CheckpointError, Model, load, save_hf
 from mtp_jax.checkpoint.safetensors_io import (read_safetensors_header, read_tensor,
                                                write_safetensors)
 from mtp_jax.config import ConfigError
-from mtp_jax.model import causal_attend
+from mtp_jax.layers import causal_attend
 from mtp_jax.models import from_hf, to_hf
 from mtp_jax.mtp import init_model
 

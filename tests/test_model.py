@@ -7,7 +7,8 @@ pre / post-norm hand-on hidden, own / shared head and embedding), the training-s
 chain, and cached decoding (one token at a time) against one full forward.
 
 Parameters are random (norm weights and biases too) and read from the NNX modules in the
-layouts documented in model.py: qkv [d, k, g + 2, h], o [n, h, d], gate_up [d, 2, f].
+layouts documented in attention.py and layers.py: qkv [d, k, g + 2, h], o [n, h, d],
+gate_up [d, 2, f].
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from flax import nnx
 import hf_fixtures as F
 from mtp_jax.config import ModelConfig, RopeScaling
 from mtp_jax.models import from_hf
-from mtp_jax.model import (Block, DenseCache, MLP, RMSNorm, apply_rope, causal_attend,
-                           dense_attention, rope_inv_freq)
+from mtp_jax.layers import (MLP, RMSNorm, apply_rope, causal_attend, dense_attention,
+                            rope_inv_freq)
+from mtp_jax.model import Block, DenseCache
 from mtp_jax.mtp import MTPModel
 
 RTOL = 2e-5  # f32 engine vs f64 numpy, relative to the largest reference value

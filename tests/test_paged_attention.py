@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.common import tile_full_range, tile_kv_range, visible_mask
 from pallas_kernels.paged_attention import (
-    BlockConfig, default_block_config, paged_attention, paged_attention_reference,
-    tile_full_range, tile_kv_range, visible_mask)
+    BlockConfig, default_block_config, paged_attention, paged_attention_reference)
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 FP8 = jnp.float8_e4m3fn

@@ -17,14 +17,15 @@ import numpy as np
 import pytest
 
 import hf_fixtures as F
-from mtp_jax import quant
+from mtp_jax import calibration, quant
 from mtp_jax.checkpoint import load, quantize_model, save_hf, save_orbax, to_flat
 from mtp_jax.config import EngineConfig, SamplingParams, SpecConfig
-from mtp_jax.quant import QArray, QuantizationError, compress_scale, qeinsum, quantize
+from mtp_jax.qarray import QArray, expand_scale, is_quantized
+from mtp_jax.quant import QuantizationError, compress_scale, qeinsum, quantize
 
 from spec_models import markov_model
 
-# (einsum, weight shape, contraction axes, x shape): every form model.py / mla.py / mtp.py use
+# (einsum, weight shape, contraction axes, x shape): every form attention.py / layers.py / model.py / mla.py / mtp.py use
 FORMS = [
     ("btd,dkgh->btkgh", (32, 2, 3, 8), (0,), (2, 3, 32)),   # fused q/k/v
     ("btnu,nud->btd", (4, 48, 16), (0, 1), (2, 3, 4, 48)),  # o_proj over (heads, dims)
@@ -42,7 +43,7 @@ def full_f32_products():
 
 
 def numpy_dequantized(q: QArray) -> np.ndarray:
-    return np.asarray(q.values).astype(np.float64) * quant.expand_scale(
+    return np.asarray(q.values).astype(np.float64) * expand_scale(
         np.asarray(q.scale, np.float64), q.shape)
 
 
@@ -59,7 +60,7 @@ def test_qeinsum_equals_the_dequantized_numpy_product(mode, form):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     # and the quantized weight is close to the original (int8: half a step per element)
     err = np.abs(numpy_dequantized(q) - w)
-    step = quant.expand_scale(np.asarray(q.scale, np.float64), shape)
+    step = expand_scale(np.asarray(q.scale, np.float64), shape)
     assert np.all(err <= (0.5 if mode == "int8" else 2.0 ** -4 * 448) * step + 1e-7)
 
 
@@ -144,7 +145,7 @@ def test_quantized_saves_load_back_as_they_were_held(ckpt, tmp_path, mode):
     held = _flat(model)
     assert held[("target", "layers", 0, "mlp", "gate_up")].values.dtype == (
         jnp.int8 if mode == "int8" else jnp.float8_e4m3fn)
-    assert not quant.is_quantized(held[("target", "layers", 0, "input_norm", "weight")])
+    assert not is_quantized(held[("target", "layers", 0, "input_norm", "weight")])
     save_hf(model, str(tmp_path / "hf"))
     qc = json.loads((tmp_path / "hf" / "config.json").read_text())["quantization_config"]
     assert qc["weight_block_size"][0] == 1
@@ -159,8 +160,8 @@ def test_quantized_saves_load_back_as_they_were_held(ckpt, tmp_path, mode):
     for other in (kept, restored):
         got = _flat(other)
         for key, want in held.items():
-            if quant.is_quantized(want):
-                assert quant.is_quantized(got[key]), key
+            if is_quantized(want):
+                assert is_quantized(got[key]), key
                 np.testing.assert_array_equal(numpy_dequantized(got[key]),
                                               numpy_dequantized(want), err_msg=str(key))
             else:
@@ -168,7 +169,7 @@ def test_quantized_saves_load_back_as_they_were_held(ckpt, tmp_path, mode):
     assert quant.mode_of(dequantized.params) is None
     tol = 1e-6 if dequantized.dtype == jnp.float32 else 1e-2  # dequantized to bf16 off CPU
     for key, want in held.items():
-        if quant.is_quantized(want):
+        if is_quantized(want):
             np.testing.assert_allclose(np.asarray(_flat(dequantized)[key], np.float64),
                                        numpy_dequantized(want), rtol=tol, atol=tol * 1e-1)
 
@@ -183,7 +184,7 @@ def test_fp8_checkpoint_kept_quantized_matches_transformers():
     held = _flat(kept)
     assert held[("target", "layers", 2, "mlp", "experts_gate_up")].values.dtype == \
         jnp.float8_e4m3fn
-    assert not quant.is_quantized(held[("target", "layers", 0, "attn", "w_uk")])
+    assert not is_quantized(held[("target", "layers", 0, "attn", "w_uk")])
     gold = dict(np.load(os.path.join(G.folder(case), "golden.npz")))
     from flax import nnx
     from mtp_jax.mtp import forward_train
@@ -268,7 +269,7 @@ def test_fp8_kv_cache_speculative_equals_plain_and_scales_round_trip(tmp_path):
     from mtp_jax.engine import Engine, Request
 
     model = markov_model("deepseek_v3", target_noise=0.5, mtp_noise=0.2, seed=4)
-    scales = quant.calibrate_kv_scales(model, [list(range(40))])
+    scales = calibration.calibrate_kv_scales(model, [list(range(40))])
     cfg = model.config
     assert len(scales) == cfg.num_layers + cfg.num_mtp_modules
     assert all(len(k) == len(v) == cfg.num_kv_heads and min(k + v) > 0 for k, v in scales)
@@ -317,7 +318,7 @@ def test_fp8_latent_cache_for_mla():
 
     model, gold = G.case_data("deepseek_v3_lite")
     model = dataclasses_replace(model, kv_scales=None)
-    scales = quant.calibrate_kv_scales(model, [gold["prompt"].tolist()])
+    scales = calibration.calibrate_kv_scales(model, [gold["prompt"].tolist()])
     assert all(len(k) == 2 and v == () and min(k) > 0 for k, v in scales)
     model = dataclasses_replace(model, kv_scales=scales)
     cfg = EngineConfig(max_batch=2, max_model_len=64, page_size=8, prefill_chunk=16,
@@ -332,5 +333,5 @@ def test_fp8_latent_cache_for_mla():
     # the engine's first token: the argmax of a forward over the same fp8-rounded cache
     logits, _ = forward_train(nnx.merge(model.graphdef, model.params),
                               jnp.asarray([prompt], jnp.int32), num_modules=0,
-                              attend_for=quant.fp8_kv_attend(scales))
+                              attend_for=calibration.fp8_kv_attend(scales))
     assert outs["none"].token_ids[0] == int(jnp.argmax(logits[0, -1]))

@@ -18,7 +18,7 @@ from flax import nnx
 
 from mtp_jax.checkpoint import Model
 from mtp_jax.config import ModelConfig, SamplingParams
-from mtp_jax.model import causal_attend
+from mtp_jax.layers import causal_attend
 from mtp_jax.mtp import MTPModel
 from mtp_jax.reference import generate_reference
 

@@ -15,7 +15,7 @@ import pytest
 
 from mtp_jax.config import EngineConfig, SamplingParams, SpecConfig
 from mtp_jax.engine import Engine, Request
-from mtp_jax.model import causal_attend
+from mtp_jax.layers import causal_attend
 from mtp_jax.reference import generate_reference
 from mtp_jax.sampling import accept
 

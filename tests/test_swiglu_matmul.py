@@ -137,11 +137,12 @@ def test_mlp_takes_the_kernel_for_prefill_rows(runner, monkeypatch):
   projection, and takes its einsum path for rows under the kernel's minimum. Interpreted,
   a stand-in for the Hopper check lets M rows in; natively the MLP decides by itself at
   MIN_ROWS rows (MIN_COLUMNS lowered to this F)."""
-  from mtp_jax import model as model_mod
+  from mtp_jax import layers
+  from mtp_jax.qarray import value
 
-  mlp = model_mod.MLP(K, F, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), limit=None)
+  mlp = layers.MLP(K, F, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), limit=None)
   calls = []
-  real = model_mod.swiglu_matmul
+  real = layers.swiglu_matmul
   rows = M if runner == "interpret" else op.MIN_ROWS
 
   def counted(x, w, *, limit=None, backend=None):
@@ -151,18 +152,18 @@ def test_mlp_takes_the_kernel_for_prefill_rows(runner, monkeypatch):
     return op.swiglu_matmul(x, w, limit=limit, block=SMALL, num_sms=3,
                             interpret=InterpretGPUParams())
 
-  monkeypatch.setattr(model_mod, "swiglu_matmul", counted)
+  monkeypatch.setattr(layers, "swiglu_matmul", counted)
   if runner == "interpret":
-    monkeypatch.setattr(model_mod, "use_swiglu_kernel",
+    monkeypatch.setattr(layers, "use_swiglu_kernel",
                         lambda m, k, f, dtype: m >= M and m % 128 == 0)
   else:  # the rule's row count at this small F
     monkeypatch.setattr(op, "MIN_COLUMNS", F)
   x = jax.random.normal(jax.random.key(3), (2, rows // 2, K), jnp.float32).astype(jnp.bfloat16)
   got = mlp(x)
   assert calls == [(rows, K)]
-  w = model_mod.value(mlp.gate_up)
+  w = value(mlp.gate_up)
   h = op.reference(x.reshape(rows, K), w).reshape(2, rows // 2, F)
-  want = jnp.einsum("btf,fd->btd", h, model_mod.value(mlp.down))
+  want = jnp.einsum("btf,fd->btd", h, value(mlp.down))
   _close(got, want)
   mlp(x[:, :8])  # 16 rows: the einsum path
   assert calls == [(rows, K)]

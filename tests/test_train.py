@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import mtp_jax
-from mtp_jax import train
+from mtp_train import cli, corpus, metrics, train
+from mtp_train.corpus import EOT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = os.path.join(ROOT, "checkpoints")
@@ -37,7 +38,7 @@ def test_overlap_filter_drops_files_sharing_evaluation_lines(tmp_path):
         f.write("def g():\n    return [v * v for v in range(10) if v % 3 == 1]\n")
     problems = [{"prompt": "def secret(x):\n    \"\"\"Doc.\"\"\"\n", "entry_point": "secret",
                  "canonical_solution": "    return [v * v for v in range(10) if v % 3 == 1]\n"}]
-    c = train.build_corpus(str(tmp_path), train.overlap_lines(problems))
+    c = corpus.build_corpus(str(tmp_path), corpus.overlap_lines(problems))
     assert sorted(r for r, _, _ in c["removed"]) == ["leak.py", "leak2.py"]
     rels = [r for r, _ in c["files"]]
     assert rels == sorted(rels) and len(rels) == 3 and not any("site-packages" in r for r in rels)
@@ -46,7 +47,7 @@ def test_overlap_filter_drops_files_sharing_evaluation_lines(tmp_path):
 def test_tiny_training_run_lowers_loss_and_exports(tmp_path):
     corpus, out = tmp_path / "lib", tmp_path / "model"
     _corpus(corpus)
-    m = train.train(train.main_parser().parse_args([
+    m = train.train(cli.main_parser().parse_args([
         "train", "--out", str(out), "--size", "smoke", "--stdlib", str(corpus),
         "--no-overlap-check", "--vocab-size", "300", "--steps", "16", "--batch", "4",
         "--seq-len", "32", "--warmup", "2", "--lr", "1e-2", "--log-every", "4",
@@ -63,7 +64,7 @@ def test_tiny_training_run_lowers_loss_and_exports(tmp_path):
     cfg = model.config
     assert (cfg.layout, cfg.num_mtp_modules, cfg.mtp_hidden_source) == ("mimo", 3, "previous")
     assert cfg.num_params == m["num_params"]
-    assert model.eos_token_ids == (model.tokenizer.token_to_id(train.EOT),)
+    assert model.eos_token_ids == (model.tokenizer.token_to_id(EOT),)
     text = "def f1_2(x, y):\n    return x\n"
     assert model.tokenizer.decode(model.tokenizer.encode(text).ids) == text
     assert os.path.exists(out / "loss_curves.png")
@@ -86,7 +87,7 @@ def test_shipped_checkpoint_is_mimo_with_three_chained_modules():
     assert cfg.num_layers == 12 and cfg.num_params <= 24e6  # a deep target, small modules
     tok = model.tokenizer
     assert tok is not None and tok.get_vocab_size() == cfg.vocab_size
-    assert model.eos_token_ids == (tok.token_to_id(train.EOT),)
+    assert model.eos_token_ids == (tok.token_to_id(EOT),)
     assert os.path.exists(os.path.join(SHIPPED, "README.md"))
 
 
@@ -118,28 +119,28 @@ def test_package_corpus_keeps_permissive_dedups_and_holds_out_whole_packages(tmp
                            "GNU General Public License v3 (GPLv3)"], {"gplpkg/a.py": "y = 2\n"})
     _dist(site, "Other_Pkg", ["Classifier: License :: OSI Approved :: BSD License"],
           {"other_pkg/m.py": "z = 3\n"})
-    dists = train.find_distributions([str(site)])
+    dists = corpus.find_distributions([str(site)])
     assert [(d["name"], d["permissive"]) for d in dists] == [
         ("gplpkg", False), ("okpkg", True), ("other-pkg", True)]
     assert dists[1]["files"] == ["okpkg/__init__.py", "okpkg/big.py", "okpkg/copy.py"]
     assert dists[1]["licence"] == "MIT" and "GPL" in dists[0]["licence"]
-    assert not train.is_permissive("BSD; GNU Lesser General Public License (LGPL)")
+    assert not corpus.is_permissive("BSD; GNU Lesser General Public License (LGPL)")
     seen = {__import__("hashlib").sha1(open(std / "pkg0" / "mod0.py").read().encode()).digest()}
-    pk = train.build_package_corpus(dists, set(), seen=seen, max_file_bytes=2000)
+    pk = corpus.build_package_corpus(dists, set(), seen=seen, max_file_bytes=2000)
     assert [(s, r) for s, r, _ in pk["files"]] == [("okpkg", "okpkg/__init__.py"),
                                                    ("other-pkg", "other_pkg/m.py")]
     assert pk["duplicates"] == 1 and pk["too_large"] == ["okpkg:okpkg/big.py"]
-    assert train.heldout_prompts(pk["files"], 4, min_chars=10) == [
+    assert corpus.heldout_prompts(pk["files"], 4, min_chars=10) == [
         {"id": "okpkg:okpkg/__init__.py", "prompt": fn}]
     files = [("b", f"b{i}.py", fn) for i in range(3)] + [("a", "a0.py", fn)]
-    assert [p["id"] for p in train.heldout_prompts(files, 3, min_chars=10)] == [
+    assert [p["id"] for p in corpus.heldout_prompts(files, 3, min_chars=10)] == [
         "a:a0.py", "b:b0.py", "b:b1.py"]  # in turns over the packages
 
-    args = train.main_parser().parse_args([
+    args = cli.main_parser().parse_args([
         "heldout", "--model", "unused", "--stdlib", str(std), "--site-packages", str(site),
         "--heldout-packages-percent", "100", "--heldout-percent", "0"])
     args.max_files = None
-    c = train.assemble_corpus(args, set())
+    c = corpus.assemble_corpus(args, set())
     assert len(c["train"]) == 3 and not c["heldout_stdlib"]
     assert [r for _, r, _ in c["heldout_packages"]] == [  # big.py is under the default cap
         "okpkg/__init__.py", "okpkg/big.py", "other_pkg/m.py"]
@@ -148,7 +149,7 @@ def test_package_corpus_keeps_permissive_dedups_and_holds_out_whole_packages(tmp
 
 
 def test_repeated_ngrams_counts_tokens_a_copy_would_predict():
-    assert train.repeated_ngrams([1, 2, 3, 4], [1, 2, 3, 4]) == 1  # only the last closes a seen 4-gram
-    assert train.repeated_ngrams([1, 2, 3], [4, 1, 2, 3, 4]) == 1  # the output's own 4-grams count
-    assert train.repeated_ngrams([], [5] * 6) == 2
-    assert train.repeated_ngrams([7, 8, 9, 10], [11, 12]) == 0
+    assert metrics.repeated_ngrams([1, 2, 3, 4], [1, 2, 3, 4]) == 1  # only the last closes a seen 4-gram
+    assert metrics.repeated_ngrams([1, 2, 3], [4, 1, 2, 3, 4]) == 1  # the output's own 4-grams count
+    assert metrics.repeated_ngrams([], [5] * 6) == 2
+    assert metrics.repeated_ngrams([7, 8, 9, 10], [11, 12]) == 0

@@ -9,7 +9,7 @@ before the next one is read (placement.py), so a model larger than host memory l
 a mesh.
 
 Block-scaled checkpoints (block_scaled.py): on a GPU or TPU the weights stay quantized on
-the device (a `quant.QArray` per parameter, scales expanded per output channel, the
+the device (a `qarray.QArray` per parameter, scales expanded per output channel, the
 contraction blocks kept), so a model published in FP8 takes FP8 bytes; on CPU, or with
 `dequantize=True`, they are dequantized as they are read (`BlockScaled`) to the load
 dtype. `quantize=` quantizes an unquantized checkpoint parameter by parameter as it loads;
@@ -29,7 +29,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from .. import quant
+from .. import qarray, quant
 from ..config import ModelConfig
 from ..models import family, from_hf, to_hf
 from ..models.tensors import Entry
@@ -180,9 +180,9 @@ def save_hf(model: Model, path: str, *, dtype=None, max_shard_bytes: Optional[in
         if not e.exported:
             continue
         v = flat[e.path]
-        if quant.is_quantized(v):  # stored as held: values and per-element scales
+        if qarray.is_quantized(v):  # stored as held: values and per-element scales
             vals = np.asarray(v.values)
-            full = quant.expand_scale(np.asarray(v.scale), vals.shape)
+            full = qarray.expand_scale(np.asarray(v.scale), vals.shape)
             for name, arr, sc in zip(e.names, e.split(vals), e.split(full)):
                 tensors[name], scales[name] = np.asarray(arr), np.asarray(sc, np.float32)
             continue

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .. import quant
+from .. import qarray, quant
 from ..models import from_hf, to_hf
 from .kv_scales import load_kv_scales, save_kv_scales
 from .params import (Model, abstract_model, from_params, quantize_model,
@@ -28,7 +28,7 @@ def _str_keys(flat: dict) -> dict:
     out = {}
     for k, v in flat.items():
         key = "/".join(map(str, k))
-        if quant.is_quantized(v):
+        if qarray.is_quantized(v):
             out[key + ".values"], out[key + ".scale"] = v.values, v.scale
         else:
             out[key] = v
@@ -52,7 +52,7 @@ def save_orbax(model: Model, path: str) -> None:
         json.dump(hf, f, indent=2)
     quantized = {"/".join(map(str, k)): {"values": str(v.values.dtype),
                                          "scale": list(v.scale.shape)}
-                 for k, v in to_flat(model.params).items() if quant.is_quantized(v)}
+                 for k, v in to_flat(model.params).items() if qarray.is_quantized(v)}
     with open(os.path.join(path, ORBAX_MARKER), "w") as f:
         json.dump({"format": "mtp_jax orbax params", "dtype": str(model.dtype),
                    "quantized": quantized}, f)
@@ -114,7 +114,7 @@ def load_orbax(path: str, *, dtype=None, shardings: Optional[Callable] = None,
     for p, var in state.flat_state():
         key, pdt = "/".join(map(str, p)), var.get_value().dtype
         if key in quantized:
-            flat[tuple(p)] = quant.QArray(restored[key + ".values"], restored[key + ".scale"])
+            flat[tuple(p)] = qarray.QArray(restored[key + ".values"], restored[key + ".scale"])
             continue
         arr = restored[key]
         flat[tuple(p)] = arr if arr.dtype == pdt else arr.astype(pdt)

@@ -12,7 +12,7 @@ from typing import Any, Optional
 import jax.numpy as jnp
 from flax import nnx
 
-from .. import quant
+from .. import qarray, quant
 from ..config import ConfigError, ModelConfig
 from ..mtp import MTPModel
 from .safetensors_io import CheckpointError
@@ -29,7 +29,7 @@ class Model:
     eos_token_ids: tuple = ()
     path: Optional[str] = None
     # fp8 KV cache scales per layer ((k [H], v [H]) floats), from kv_scales.json beside
-    # the weights or set with quant.calibrate_kv_scales; None: calibrated when needed
+    # the weights or set with calibration.calibrate_kv_scales; None: calibrated when needed
     kv_scales: Optional[tuple] = None
 
     def module(self) -> MTPModel:
@@ -57,7 +57,7 @@ def from_params(cfg: ModelConfig, flat: dict, dtype, **extra) -> Model:
             missing.append("/".join(map(str, path)))
             continue
         v = flat[tuple(path)]
-        var.set_value(v if quant.is_quantized(v) else jnp.asarray(v, var.get_value().dtype))
+        var.set_value(v if qarray.is_quantized(v) else jnp.asarray(v, var.get_value().dtype))
     if missing:
         raise CheckpointError(f"parameters not provided: {missing}")
     return Model(cfg, graphdef, state, **extra)
@@ -120,8 +120,8 @@ def with_draft_head(model: Model, mode: str) -> Model:
     if cfg.draft_head:
         raise ConfigError(f"the draft already reads a quantized ({cfg.draft_head}) copy of "
                           "its head")
-    heads = [quant.value(w) for w in model.module().draft_head_weights()]
-    if any(quant.is_quantized(w) for w in heads):
+    heads = [qarray.value(w) for w in model.module().draft_head_weights()]
+    if any(qarray.is_quantized(w) for w in heads):
         raise quant.QuantizationError("the draft's head is already quantized (the model's "
                                       "weights are): a quantized copy would gain nothing")
     quant.check_backend(mode)

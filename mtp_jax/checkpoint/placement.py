@@ -1,7 +1,7 @@
 """Placing a parameter on its devices as it is read from the files: converted to its dtype,
 cut per device where it is sharded (an expert-sharded parameter reads only its experts),
 checked for NaN / Inf, never aliasing the memory-mapped file; a quantized parameter is
-laid out with its scales (`quant.QArray`)."""
+laid out with its scales (`qarray.QArray`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import mmap
 import jax
 import numpy as np
 
-from .. import quant
+from .. import qarray, quant
 from ..models.tensors import Entry
 from .safetensors_io import CheckpointError
 
@@ -60,11 +60,11 @@ def place_quantized(e: Entry, values, scales, contract, block_in: int, want, sha
         nonfinite.extend(n for n in e.names if n not in nonfinite)
     sh = shardings(e.path, want.shape) if shardings else None
     if sh is None:
-        return quant.QArray(_to_device(vals), _to_device(scale))
+        return qarray.QArray(_to_device(vals), _to_device(scale))
     # the scale is small: replicated on the value's devices until the engine places the
     # parameter by the sharding table (sharding.param_value_sharding)
     rep = jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec())
-    return quant.QArray(jax.make_array_from_callback(vals.shape, sh, lambda i: _owned(vals[i])),
+    return qarray.QArray(jax.make_array_from_callback(vals.shape, sh, lambda i: _owned(vals[i])),
                         jax.device_put(scale, rep))
 
 

@@ -1,0 +1,5 @@
+"""python -m mtp_train: the command line (cli.py)."""
+
+from .cli import main
+
+main()
