@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_batch_job import PEAK_BF16  # noqa: E402
 from bench_quant_matmul import time_per_call  # noqa: E402
 
-from mtp_jax.model import swiglu  # noqa: E402
+from pallas_kernels.common import swiglu  # noqa: E402
 from pallas_kernels.swiglu_matmul import reference  # noqa: E402
 from pallas_kernels.swiglu_matmul_gpu import BlockConfig, smem_bytes, swiglu_matmul_gpu  # noqa: E402
 
