@@ -597,7 +597,8 @@ class EngineConfig:
     prefill_chunk: int = 256  # largest prefill chunk; smaller chunks are powers of two
     # requests prefilled together, a row each of one forward (a power of two; fewer rows
     # run in the next power of two). None: 1 on CPU, 8 on GPU and TPU, where a 256-token
-    # chunk alone leaves the matmuls far from peak (docs/BENCHMARKS.md, prefill)
+    # chunk alone leaves the matmuls far from peak (docs/DECISIONS.md, "Several prompts
+    # per prefill forward")
     prefill_batch: Optional[int] = None
     max_stop_ids: int = 8
     attention_backend: Optional[str] = None  # None: by jax.default_backend()

@@ -41,20 +41,18 @@ FP8_MAX = 448.0
 INT8_MAX = 127.0
 BLOCK = 128  # contraction rows per scale in fp8-block mode (DeepSeek's block)
 BACKEND_ENV_VAR = "MTP_JAX_QMATMUL_BACKEND"
-# Rows (tokens) up to which a product runs in the Pallas kernel on GPU / TPU. Block
-# scales: up to 64 (XLA's per-block partials ran 3-5x slower at decode on an H100; above
-# it, prefill, the dequantized weight and one dense matmul cost less). Per-channel scales:
-# up to 8 (at one row the kernel took 0.6-0.8x XLA's time, whose int8 dot reached only
-# 32-56 % of the copy bandwidth; at 16 rows they were level); launch/bench_quant_matmul.py.
+# Rows (tokens) up to which a product runs in the Pallas kernel on GPU / TPU, set by
+# launch/bench_quant_matmul.py (docs/DECISIONS.md, "Quantized weights").
+# Block scales: XLA's per-block partials are far slower at decode sizes; above this
+# (prefill) the dequantized weight and one dense matmul cost less.
 KERNEL_MAX_ROWS = 64
+# Per-channel scales: XLA's fused int8 dot catches up with the kernel by 16 rows.
 PER_CHANNEL_KERNEL_MAX_ROWS = 8
 # Rows up to which the draft reads its head's quantized copy, always through the kernel
 # (`qeinsum(..., kernel_rows=)`): the copy must beat the bf16 head in programs of either
 # GEMM backend, and XLA's int8 path writes the weights out in bf16 under cuBLAS (the
-# decode steps' backend from 64 rows). H100, MiMo-7B lm_head 4096 x 151680, 8 / 16 / 32 /
-# 64 rows, us (launch/bench_quant_matmul.py): bf16 XLA dot 414 / 425 / 430 / 434; int8
-# kernel 261 / 261 / 283 / 277; fp8 per channel 341 / 345 / 346 / 420; fp8-block 300 /
-# 297 / 316 / 347.
+# decode steps' backend from 64 rows). Set by launch/bench_quant_matmul.py --ms
+# 8,16,32,64 (docs/DECISIONS.md, "Draft").
 DRAFT_HEAD_MAX_ROWS = 64
 
 

@@ -113,11 +113,11 @@ def process_logits(logits, temperature, top_k, top_p):
 
 def _filter(logits, top_k, top_p, need):
     """`_filter_sorted`'s masking for the rows that `need` it, other rows unchanged. On a
-    CPU by bisection (`_filter_bisect`): a full-vocabulary sort per row is the costliest
-    op of a sampled step there (56 rows of 8192: 77 ms sorted, 3 ms bisected), so a
-    speculative step, which samples K+1 target rows and K draft rows per request, paid
-    several plain steps for it. Elsewhere one batched sort, as before: a bisection's 64
-    dependent passes are launches there, not yet measured against the sort."""
+    CPU by bisection (`_filter_bisect`): a full-vocabulary sort is the costliest op of a
+    sampled step on a CPU, so a speculative step, which samples K+1 target rows and K
+    draft rows per request, paid several plain steps for it (docs/DECISIONS.md, "Top-k /
+    top-p by bisection on a CPU"). Elsewhere one batched sort, as before: a bisection's
+    64 dependent passes are launches there, not yet measured against the sort."""
     if jax.default_backend() == "cpu":
         return _filter_bisect(logits, top_k, top_p, need)
     return jnp.where(need[:, None], _filter_sorted(logits, top_k, top_p), logits)

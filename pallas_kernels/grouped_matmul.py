@@ -20,9 +20,8 @@ into the padded order (by the GPU kernel itself, by XLA for the TPU one), the ke
 runs over (tile, M block), and the result is gathered back per row; rows with invalid
 ids read no slot and come out as 0.
 
-On an H100 at GLM-4.5-Air shapes the GPU kernel streams the routed experts at 73-82 %
-of the device copy bandwidth at N=8 rows (plan included; 82-87 % with the plan shared)
-and 89-95 % from N=32 on; see launch/bench_moe_kernels.py.
+The GPU kernel streams the routed experts close to the device's copy bandwidth
+(launch/bench_moe_kernels.py; docs/BENCHMARKS.md, "Kernels").
 
 Backends (`grouped_matmul(backend=...)`, else $MTP_JAX_MOE_BACKEND, else the platform):
   gpu         Pallas Triton kernel (grouped_matmul_gpu.py)
@@ -109,10 +108,9 @@ def default_block_config(num_rows, num_experts, k, m, backend, num_cores=None,
   """Block sizes from the shapes; scale_rows is S of quantized experts' w_scale.
 
   GPU: block_m 128, block_k 64 (smaller powers of two where M or K need them), one K
-  split, 4 warps, 3 stages. On an H100 at the GLM-4.5-Air shapes (E=128, K=4096 /
-  M=2816 and K=1408 / M=4096, N=8 and 1024 rows) this was the best or within 2 % of the
-  best of 36 configs (block_m 32..128, block_k 64..256, 1-2 splits, 3-4 stages); block_m
-  32 lost up to 40 % at N=1024, and K splits never helped, so the defaults do not split.
+  split, 4 warps, 3 stages, set by launch/bench_moe_kernels.py --sweep at the GLM-4.5-Air
+  shapes: narrower M blocks lose at many rows, and K splits never helped, so the defaults
+  do not split (docs/DECISIONS.md, "MoE and MLA kernels").
   TPU: K in one step up to 2048 (else the largest 128-multiple divisor), 512-wide M
   blocks where M allows (untuned: no TPU was available).
   Quantized experts (scale_rows S > 1): block_k as above but dividing the scale block

@@ -5,13 +5,10 @@ The semantics are `pallas_kernels.kv_write.write_rows`'s, array by array: token 
 goes to slot slots[t] = page * page_size + offset of every array, stored as rows / scale[h]
 (saturated to +-448 with non-finite inputs kept NaN for fp8 pages, a plain cast otherwise);
 slots outside [0, num_pages * page_size) write nothing. XLA runs that as one scatter per
-array, which on an H100 took 22.8 us for a 2048-token prefill chunk's K (8 heads x 128,
-bf16: 4 MB) and 3.1 us for a decode step's 32 rows (docs/BENCHMARKS.md). Here one program
-moves a block of tokens of one kv head for every array: masked 2-D loads of the new rows
-and masked stores into their page rows, with the pages aliased in place. K and V of one
-layer, H100 (`launch/bench_kv_write.py`, 32 writes chained in one program): 2048 tokens
-9.5 us against the two scatters' 47.8 us, 256 tokens 5.9 against 12.4, 32 tokens 7.8
-against 10.3, one token level (7.1 / 6.9); fp8 pages 8.1 against 29.3 us at 2048 tokens.
+array; this is one kernel for a layer's K and V instead. One program moves a block of
+tokens of one kv head for every array: masked 2-D loads of the new rows and masked stores
+into their page rows, with the pages aliased in place (`launch/bench_kv_write.py`;
+docs/DECISIONS.md, "Paged attention (GPU)").
 
 The head dim is tiled as the paged attention kernel tiles it (`key_dim_parts`: a power-
 of-two head and a tail, 576 = 512 + 64; a tail under 16 or not a power of two is padded

@@ -84,6 +84,24 @@ from pallas_kernels.common import (FP8_DTYPE, check_positive_ints, head_scales, 
 
 BACKEND_ENV_VAR = "MTP_JAX_ATTENTION_BACKEND"
 
+# GPU tiling thresholds; the measurements are in docs/DECISIONS.md, "Paged attention (GPU)".
+# KV splits only while the grid is under SPLIT_BELOW_WAVES waves of programs (a wave: one
+# program an SM), then enough for about SPLIT_TARGET_WAVES: from one wave on, a split's
+# merge costs more than its extra programs give. Set by
+# launch/bench_paged_attention.py --sweep-splits.
+SPLIT_BELOW_WAVES = 1
+SPLIT_TARGET_WAVES = 2
+# fp8 pages switch to 2 warps / 3 stages from this many programs an SM: the 2-warp tiling
+# wins only when many programs share each SM. Set by
+# launch/bench_paged_attention.py --sweep-configs --kv fp8.
+FP8_2WARP_PROGRAMS_PER_SM = 2.5
+# Prefill chunks (at least PREFILL_MIN_QUERIES query tokens and PREFILL_ROWS_PER_BLOCK
+# packed rows) take PREFILL_ROWS_PER_BLOCK-row tiles over PREFILL_KV_POSITIONS kv
+# positions: prefill's large dots want tall tiles. Set by launch/bench_prefill_attention.py.
+PREFILL_MIN_QUERIES = 32
+PREFILL_ROWS_PER_BLOCK = 128
+PREFILL_KV_POSITIONS = 64
+
 
 @dataclasses.dataclass(frozen=True)
 class BlockConfig:
@@ -115,22 +133,19 @@ def default_block_config(batch, q_len, num_q_heads, num_kv_heads, page_size, max
                          backend, num_cores=None, kv_dtype=None) -> BlockConfig:
   """Block sizes from the shapes.
 
-  GPU: 128 kv positions per block, 4 warps, 2 stages (on an H200 at B=64, 4k context,
-  64-128 positions and 2-4 stages all came within 2 % of the best), and, while the grid
-  has fewer programs than the card has SMs, enough KV splits that it covers about two
-  waves (the small-batch, long-context case). From one wave of programs on, splitting
-  only adds the merge: H100, Hq 32 / KVH 8, D 128, ctx 1k, B=32 (256 programs) 58 us
-  unsplit against 63-64 us with the 2 splits this rule used to pick (ctx 4k: 193 vs
-  203-207 us, Q=1 and Q=4 alike); B=16 (128 programs) 37-39 us with 3 splits, 38.5-39
-  unsplit; B=8 (64) 17 us with 5 splits, 25 unsplit.
-  Prefill chunks (at least 32 query tokens and 128 packed rows): 128-row tiles over 64 kv
-  positions, 4 warps, 3 stages, no split: the grid has programs enough, and the tile's dots
-  are large.
-  fp8 pages (`kv_dtype`) in 16-row tiles with 2.5 or more programs an SM: 64 kv positions,
-  2 warps, 3 stages (H100, Hq 32 / KVH 8, 4k context: B=64 220 against 232 us, B=48 201
-  against 213; B=64 x 1k 66 against 71. With fewer programs the 2-warp tiling lost: B=32 x
-  16k 636 against 441 us, x 1k 51 against 40. bf16 pages gained nothing from it).
+  GPU: 128 kv positions per block, 4 warps, 2 stages, and, while the grid has fewer
+  programs than the card has SMs, enough KV splits that it covers about two waves (the
+  small-batch, long-context case; `SPLIT_BELOW_WAVES`, `SPLIT_TARGET_WAVES`). From one
+  wave of programs on, splitting only adds the merge.
+  Prefill chunks (at least `PREFILL_MIN_QUERIES` query tokens and `PREFILL_ROWS_PER_BLOCK`
+  packed rows): `PREFILL_ROWS_PER_BLOCK`-row tiles over `PREFILL_KV_POSITIONS` kv
+  positions, 4 warps, 3 stages, no split: the grid has programs enough, and prefill's
+  large dots want tall tiles.
+  fp8 pages (`kv_dtype`) in 16-row tiles with `FP8_2WARP_PROGRAMS_PER_SM` or more
+  programs an SM: 64 kv positions, 2 warps, 3 stages (the 2-warp tiling wins only when
+  many programs share each SM; bf16 pages gain nothing from it).
   TPU: ~512 kv positions per block (untuned: no TPU was available).
+  See docs/DECISIONS.md, "Paged attention (GPU)".
   """
   rows = q_len * (num_q_heads // num_kv_heads)
   if backend == "tpu":
@@ -138,32 +153,28 @@ def default_block_config(batch, q_len, num_q_heads, num_kv_heads, page_size, max
         pages_per_block=min(max(1, 512 // page_size), next_pow2(max_pages)),
         rows_per_block=min(max(next_pow2(rows), 16), 128))
   # A prefill chunk (rows = chunk x G; a verify's K + 1 rows never qualify, so a large
-  # group keeps decode's KV splits): 128-row tiles over 64 kv positions, 4 warps. H100,
-  # 8 x 256-token chunks, Hq 32 / KVH 8, D 128, bf16, the chunk ending at 1k / 4k
-  # positions: 149 / 229 TFLOP/s against 96 / 122 with the decode tiling below
-  # (launch/bench_prefill_attention.py, docs/BENCHMARKS.md). With the unmasked interior
-  # blocks, 3 stages over 2: H200, 234 / 355 against 224 / 334 TFLOP/s.
+  # group keeps decode's KV splits) takes its own tall tiles, see the constants.
   def pages_for(positions):  # kv positions a block, within the table, block_k >= 16
     pages = min(max(1, positions // page_size), next_pow2(max_pages))
     return max(pages, next_pow2(-(-16 // page_size)))
 
-  prefill = q_len >= 32 and rows >= 128
-  pages_per_block = pages_for(64 if prefill else 128)
+  prefill = q_len >= PREFILL_MIN_QUERIES and rows >= PREFILL_ROWS_PER_BLOCK
+  pages_per_block = pages_for(PREFILL_KV_POSITIONS if prefill else 128)
   if prefill:
-    return BlockConfig(pages_per_block=pages_per_block, num_splits=1, rows_per_block=128,
-                       num_warps=4, num_stages=3)
+    return BlockConfig(pages_per_block=pages_per_block, num_splits=1,
+                       rows_per_block=PREFILL_ROWS_PER_BLOCK, num_warps=4, num_stages=3)
   rows_per_block = min(max(next_pow2(rows), 16), 64)
   programs = batch * num_kv_heads * -(-rows // rows_per_block)
   if num_cores is None:
     num_cores = getattr(jax.devices()[0], "core_count", None) or 132
   if (kv_dtype is not None and jnp.dtype(kv_dtype).itemsize == 1 and rows_per_block == 16
-      and 2 * programs >= 5 * num_cores):
+      and programs >= FP8_2WARP_PROGRAMS_PER_SM * num_cores):
     return BlockConfig(pages_per_block=pages_for(64), num_splits=1, rows_per_block=16,
                        num_warps=2, num_stages=3)
   num_splits = 1
-  if programs < num_cores:  # less than a wave: split for about two
+  if programs < SPLIT_BELOW_WAVES * num_cores:  # less than a wave: split for about two
     blocks = -(-max_pages // pages_per_block)
-    num_splits = min(-(-2 * num_cores // programs), blocks, 64)
+    num_splits = min(-(-SPLIT_TARGET_WAVES * num_cores // programs), blocks, 64)
   return BlockConfig(pages_per_block=pages_per_block, num_splits=num_splits,
                      rows_per_block=rows_per_block,
                      num_warps=8 if rows_per_block >= 64 else 4)

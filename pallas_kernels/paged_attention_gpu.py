@@ -6,26 +6,25 @@ The public op, the layouts, the masking rule and the sink semantics are document
 One program handles one (batch row, kv head, tile of packed query rows, KV split). It
 gathers its packed rows (query i, head h*G + g at row i*G + g) from q as the op takes it
 and, unsplit, stores its output rows straight back into that layout: the packing costs no
-XLA transposes, pads or slices around the kernel (on an H100 they were 4-6 us a layer
-in a decode step and 34 us a prefill chunk of 8 x 256 tokens). It
-reads its pages through the block table inside the kernel (no XLA gather of the KV),
-`pages_per_block` pages at a time, and runs an online softmax over them. Blocks that
-every row of the tile sees in full (all but the causal diagonal, a window's first blocks
-and a partial last page) run in a loop of their own with no masks on their loads or
-logits. With more than one split (flash-decoding) each program covers a contiguous share
-of the row's visible pages and writes a normalised partial output plus its log-sum-exp;
-`combine_splits` merges them. The share is computed from the actual kv_len, so short
-rows do not leave programs idle behind long ones. A sink enters split 0's initial softmax
-state only, so the combine counts it once.
+XLA transposes, pads or slices around the kernel. It reads its pages through the block
+table inside the kernel (no XLA gather of the KV), `pages_per_block` pages at a time, and
+runs an online softmax over them. Blocks that every row of the tile sees in full (all but
+the causal diagonal, a window's first blocks and a partial last page) run in a loop of
+their own with no masks on their loads or logits. With more than one split
+(flash-decoding) each program covers a contiguous share of the row's visible pages and
+writes a normalised partial output plus its log-sum-exp; `combine_splits` merges them.
+The share is computed from the actual kv_len, so short rows do not leave programs idle
+behind long ones. A sink enters split 0's initial softmax state only, so the combine
+counts it once.
 
 K and V are gathered as 2-D [block_k, width] masked loads with one table entry per row.
 Gathering [pages, page_size, D] and reshaping to [block_k, D] computes the same thing,
-but Triton then did not pipeline the loads: 2.3 TB/s against 4.1 TB/s at B=64, 4k
-context on an H200 (docs/BENCHMARKS.md). A key dim that is not a power of two is split
-into power-of-two parts (`common.key_dim_parts`: 192 = 128 + 64), one gather and one dot
-each; a part or value dim that is not a power of two >= 16 is padded up by masked loads
-(`common.gpu_dim_tile`), and the output then carries gpu_dim_tile(Dv) columns, sliced by
-the caller.
+but Triton does not pipeline the loads of the reshape, while it does the 2-D gather's
+(docs/DECISIONS.md, "Paged attention (GPU)"). A key dim that is not a power of two is
+split into power-of-two parts (`common.key_dim_parts`: 192 = 128 + 64), one gather and
+one dot each; a part or value dim that is not a power of two >= 16 is padded up by masked
+loads (`common.gpu_dim_tile`), and the output then carries gpu_dim_tile(Dv) columns,
+sliced by the caller.
 
 fp8 pages are loaded as 1-byte values and converted to q's dtype in registers right after
 the gather (half the HBM bytes of bf16; the dots stay bf16 / f32). The per-kv-head scales

@@ -42,11 +42,12 @@ same way.
 
 Cost: with H * Q packed rows, every kv entry costs 2 * H * Q * (Dk + v_dim) flops for
 Dk * itemsize bytes, about 2 * H * Q flops per byte. An H100's ridge point is about 220
-flops per byte (3.0 TB/s copy, 655 TFLOP/s XLA bf16 matmul, both measured), so at
-H = 128 decode (Q = 1) is already at the ridge and verify (Q = 4) is compute bound: four
-times the matrix work of decode for the same bytes, which no kernel can hide. fp8 pages
-halve the bytes for the same flops (about 4 * H * Q flops a byte), so at H = 128 they
-shorten only what the page reads cost, not the matrix work.
+flops per byte (XLA's bf16 matmul rate over the copy bandwidth, both measured: see
+docs/BENCHMARKS.md, "Kernels"), so at H = 128 decode (Q = 1) is already at the ridge and
+verify (Q = 4) is compute bound: four times the matrix work of decode for the same bytes,
+which no kernel can hide. fp8 pages halve the bytes for the same flops (about 4 * H * Q
+flops a byte), so at H = 128 they shorten only what the page reads cost, not the matrix
+work.
 
 Backends: `paged_mla_gpu` (Pallas Triton, split-K flash-decoding), `paged_mla_tpu`
 (Mosaic TPU, double-buffered page DMAs) and `paged_mla_reference` (pure jnp, also the
@@ -67,6 +68,20 @@ from jax import lax
 from pallas_kernels.common import FP8_DTYPE, check_positive_ints, next_pow2, resolve_backend
 
 BACKEND_ENV_VAR = "MTP_JAX_MLA_BACKEND"
+
+# GPU tiling; the measurements are in docs/DECISIONS.md, "MoE and MLA kernels".
+# Shared memory a program's q tile plus two kv stages may take: under the 227 KiB an
+# H100 program may have.
+SHARED_MEMORY_BYTES = 224 << 10
+# KV splits only while the grid fills less than SPLIT_BELOW_WAVES of a wave (a wave: one
+# program an SM), then enough for about SPLIT_TARGET_WAVES waves: two waves matched or
+# beat one at small batches, four lost. Set by launch/bench_paged_mla.py --sweep.
+SPLIT_BELOW_WAVES = 0.5
+SPLIT_TARGET_WAVES = 2
+# A grid of at most this many 64-row tiles takes 32-row tiles instead: so few tiles leave
+# most SMs to KV splits, and half-height tiles double the programs. Set by
+# launch/bench_paged_mla.py --sweep-small.
+SMALL_GRID_MAX_TILES = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,21 +115,18 @@ def default_block_config(batch, q_len, num_heads, page_size, max_pages, head_dim
   q's sizes, and dtype=float8_e4m3fn gives bf16's (not tuned for fp8 pages: the bench's
   --sweep-fp8 times the candidates).
 
-  GPU, from a sweep on an H100 (jax 0.11.2) at H = 128, Dk = 576, bf16, B = 64, 4k
-  context: 64-row tiles on 8 warps (at H = 128 a tile is 64 heads of one query row) and
-  64 kv positions per block; 32 rows on 4 warps came within 1-3 %, 16 rows or blocks of
-  32 positions were 25-40 % slower, blocks of 16 twice as slow, 128 rows did not compile
-  (registers). The block shrinks (to >= 16) until the q tile plus two kv stages fit in
-  224 KiB of shared memory (the bf16 64 x 64 tiles above take 221 KiB by that count);
-  f32 tiles stop at 32 rows. KV splits only when B * tiles would leave more than half
-  the SMs idle, then enough for about two waves of programs, at least one block each
-  (at B = 1 and 8 two waves matched or beat one by up to 18 %; four were 19 % slower).
-  A grid of at most 8 such 64-row tiles (B = 1 up to Q = 4, B = 4 at Q = 1) takes 32-row
-  tiles on 4 warps instead, split the same way: H100, 4k context, B = 1 Q = 1 / 2 / 4
-  43 / 51 / 54 us against 46 / 67 / 79 with 64-row tiles (16k: 63 / 78 / 108 against
-  65 / 101 / 142), B = 4 Q = 1 62 against 86 us (16k: 116 against 148). With 16 or more
-  64-row tiles they lost (B = 4, 16k, Q = 2 / 4: 241 / 412 against 215 / 364 us).
-  (`launch/bench_paged_mla.py --sweep-small`, docs/BENCHMARKS.md.)
+  GPU (swept at H = 128, Dk = 576, bf16, B = 64, 4k context; `launch/bench_paged_mla.py
+  --sweep`): 64-row tiles on 8 warps (at H = 128 a tile is 64 heads of one query row) and
+  64 kv positions per block; smaller tiles or blocks were slower and 128 rows do not
+  compile (registers). The block shrinks (to >= 16) until the q tile plus two kv stages
+  fit in `SHARED_MEMORY_BYTES` (the bf16 64 x 64 tiles above take 221 KiB by that count);
+  f32 tiles stop at 32 rows. KV splits only when B * tiles would leave more than half the
+  SMs idle (`SPLIT_BELOW_WAVES`), then enough for about two waves of programs
+  (`SPLIT_TARGET_WAVES`), at least one block each. A grid of at most
+  `SMALL_GRID_MAX_TILES` such 64-row tiles (B = 1 up to Q = 4, B = 4 at Q = 1) takes
+  32-row tiles on 4 warps instead, split the same way: so few tiles leave most SMs to
+  splits, and half-height tiles double the programs. See docs/DECISIONS.md, "MoE and MLA
+  kernels".
   TPU: tiles of up to 256 rows and ~256 kv positions per block (untuned: no TPU was
   available).
   """
@@ -126,20 +138,20 @@ def default_block_config(batch, q_len, num_heads, page_size, max_pages, head_dim
                           rows_per_block=min(max(next_pow2(rows), 16), 256))
   itemsize = jnp.dtype(dtype).itemsize
   rows_per_block = min(max(next_pow2(rows), 16), 64 if itemsize <= 2 else 32)
-  if rows_per_block == 64 and batch * -(-rows // rows_per_block) <= 8:
+  if rows_per_block == 64 and batch * -(-rows // rows_per_block) <= SMALL_GRID_MAX_TILES:
     rows_per_block = 32  # a grid of few 64-row tiles: half-height tiles
   row_bytes = itemsize * head_dim
   block_k = 64
-  while block_k > 16 and (rows_per_block + 2 * block_k) * row_bytes > 224 << 10:
+  while block_k > 16 and (rows_per_block + 2 * block_k) * row_bytes > SHARED_MEMORY_BYTES:
     block_k //= 2
   block_k = max(16, min(block_k, next_pow2(kv_capacity)))
   programs = batch * -(-rows // rows_per_block)
   if num_cores is None:
     num_cores = getattr(jax.devices()[0], "core_count", None) or 132
   num_splits = 1
-  if 2 * programs < num_cores:
+  if programs < SPLIT_BELOW_WAVES * num_cores:
     blocks = -(-kv_capacity // block_k)
-    num_splits = max(1, min(2 * num_cores // programs, blocks, 64))
+    num_splits = max(1, min(SPLIT_TARGET_WAVES * num_cores // programs, blocks, 64))
   return MLABlockConfig(block_k=block_k, rows_per_block=rows_per_block,
                         num_splits=num_splits, num_warps=8 if rows_per_block >= 64 else 4)
 

@@ -22,11 +22,9 @@ and writes a normalised partial output plus its log-sum-exp, merged by the
 paged-attention `combine_splits`. Within a program, the blocks that every row of the
 tile sees whole run a loop body without masks; only the causal tail is masked.
 
-Measured on an H100 (launch/bench_paged_mla.py, jax 0.11.2, H = 128, bf16): the matrix
-work runs at 200-240 TFLOP/s at B = 64, about a third of XLA's 8192^3 bf16 matmul rate
-on the same device, which puts decode at 30 % of copy bandwidth and verify with Q = 4
-at 10 % (34 % of the compute floor). Both are bound by the matrix work, not the page
-reads; why the tiles reach only a third of the matmul rate was not profiled (the
+At H = 128 decode and verify are both bound by the tile's matmul rate, not the page
+reads, and that rate sits well below XLA's bf16 matmul on the same device
+(launch/bench_paged_mla.py; docs/BENCHMARKS.md, "Kernels"). Why was not profiled (the
 64 x 512 f32 accumulator per tile, 128 registers a thread, is the first suspect: 128-row
 tiles did not compile for lack of registers).
 

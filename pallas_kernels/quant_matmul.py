@@ -17,24 +17,11 @@ dtype in registers / VMEM (exact: every int8 and every e4m3 / e5m2 value is a bf
 take a dot with f32 accumulation, and multiply each scale block's partial sum by its
 scale row, so no dequantized copy of the weights is ever written.
 
-Measured on an H100 (copy bandwidth 3.0 TB/s read + write; launch/bench_quant_matmul.py,
-each figure including the timing loop's own 3.5 us a call) at the Llama-2-7B / MiMo-7B
-decode shapes, batch 1: the int8 kernel took 0.63-0.81x the time of the bf16 XLA dot
-(44-81 % of the copy bandwidth) and 0.57-0.96x that of XLA's fused int8 path; at 16 rows
-XLA's int8 path is level with it (0.86-1.08x). fp8 per channel ran 3-53 % slower than
-int8 (converting e4m3 to bf16 costs more than int8) and 0.66-1.24x XLA's time; fp8 with
-128-row block scales ran 3.4-5.3x faster than XLA's batched path at batch 1, except at
-MiMo's 151680-token vocabulary (16 % slower). Those figures predate two default changes
-(128-wide N blocks for MiMo's 4096x6144 QKV, which ran with 64-wide ones at 1.06x the
-bf16 time; 4 pipeline stages, 4-5 % faster in a sweep).
-
-At one row the default is a CUDA-core kernel (no 16-row tensor-core tile): H100, bf16 x,
-int8 per channel, same bench, against the 16-row tiling: MiMo / Llama gate+up 44-46 vs
-48.6 us, MiMo QKV 15.5 vs 17.8, MiMo lm_head 256 vs 268, o_proj and down level; the
-MiMo-7B int8 decode step at batch 1 went from 4.62 to 4.41 ms (3.9-4.0 ms after the
-split, conversion and chunk changes of `_gemv_block_config` and `widen`). int8 still streams at
-only 45-81 % of the copy bandwidth (timing loop included) where XLA's bf16 GEMV reaches
-69-98 % (docs/BENCHMARKS.md).
+On a GPU one row (a batch-1 decode step) runs on CUDA cores (`_gemv_block_config`): the
+smallest Triton dot is 16 rows, so at one row a tensor-core tile is 15/16 padding; the
+CUDA-core kernel multiplies the 1-byte chunk in f32 instead. More rows take the
+tensor-core tiling, which beats one CUDA-core pass per row. See docs/DECISIONS.md,
+"Quantized weights".
 
 Backends (`quant_matmul(backend=...)`, else $MTP_JAX_QMATMUL_BACKEND, else the platform):
   gpu         Pallas Triton kernel, grid over N blocks and K splits (quant_matmul_gpu.py)
@@ -61,6 +48,25 @@ from pallas_kernels.common import (check_positive_ints, first_divisor, next_pow2
 BACKEND_ENV_VAR = "MTP_JAX_QMATMUL_BACKEND"
 X_DTYPES = (jnp.bfloat16, jnp.float32)
 VALUE_DTYPES = (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+# GPU tiling, set by launch/bench_quant_matmul.py --sweep; the measurements are in
+# docs/DECISIONS.md, "Quantized weights".
+# Tensor-core tiling (more than one row): each K split gets at least this many K chunks,
+# so its load pipeline fills.
+SPLIT_MIN_CHUNKS = 8
+# block_n narrows from 128 only where 128-wide blocks with their splits would use less
+# than this share of their waves' program slots: narrower blocks stream slower.
+NARROW_BELOW_BALANCE = 0.5
+# One row on CUDA cores: K rows a split at most (the wide products split this far, and
+# shorter splits lost on them), and the waves of 256-column blocks the splits are raised
+# to (products with few column blocks need them; past that, more programs only add
+# partial sums and pipeline fills).
+GEMV_SPLIT_MAX_ROWS = 1024
+GEMV_TARGET_WAVES = 3
+# One row's weight chunk as (columns, rows, warps): fp8 streams best in 256-column chunks
+# on 8 warps, int8 in 128-column chunks on 4 (fp8 takes those where 256 does not divide N).
+GEMV_FP8_CHUNK = (256, 32, 8)
+GEMV_INT8_CHUNK = (128, 32, 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,14 +106,13 @@ def default_block_config(m, k, n, s, backend, num_cores=None,
   block_n 128 (128 one-byte columns: one cache line per weight row). K splits raise the
   program count P to fill whole waves of num_cores programs (default: the device's SM
   count, else 132): the split count maximises P / (num_cores * ceil(P / num_cores)), the
-  fewest splits on a tie, with at least 8 K chunks a split (the load pipeline needs a
-  few to fill) and f32 partial sums (written, then read back) within 1/8 of the weight
-  bytes. block_n narrows to 64 or 32 only where 128-wide blocks with their splits would
-  leave more than half the SMs idle (M = 64, where partial sums cost too much): on an
-  H100 at M = 1, 64-wide blocks streamed 25-30 % slower than 128-wide ones with the
-  same splits. At 16 rows and N=4096 that is 32 N blocks x 4 splits = 128 programs on
-  132 SMs (measured at M = 1 before the CUDA-core path: without splits it took twice as
-  long). num_stages 4 at block_m 16 (4-5 % faster than 3 at M = 1), else 3.
+  fewest splits on a tie, with at least `SPLIT_MIN_CHUNKS` K chunks a split (the load
+  pipeline needs a few to fill) and f32 partial sums (written, then read back) within 1/8
+  of the weight bytes. block_n narrows to 64 or 32 only where 128-wide blocks with their
+  splits would use less than `NARROW_BELOW_BALANCE` of their waves' program slots
+  (M = 64, where partial sums cost too much): narrower blocks stream slower, so they are
+  the last resort. At 16 rows and N=4096 that is 32 N blocks x 4 splits = 128 programs
+  on 132 SMs. num_stages 4 at block_m 16, else 3.
   TPU: all rows in one block (up to 256, padded to 16); block_n 512/256/128 dividing N;
   block_k the largest of 2048..128 that divides K and divides or is a multiple of K // S
   (whole K up to 2048). Untuned: no TPU was available.
@@ -128,7 +133,7 @@ def default_block_config(m, k, n, s, backend, num_cores=None,
   block_k = first_divisor(bk, (128, 64, 32)) or 16
   m_blocks = -(-max(m, 1) // block_m)
   # Partial sums: splits * M * N * 4 bytes written and read <= K * N / 8 weight bytes.
-  max_splits = max(1, min(k // block_k // 8, k // (64 * max(m, 1)), 16))
+  max_splits = max(1, min(k // block_k // SPLIT_MIN_CHUNKS, k // (64 * max(m, 1)), 16))
 
   def balance(p):
     return p / (num_cores * -(-p // num_cores))
@@ -136,37 +141,26 @@ def default_block_config(m, k, n, s, backend, num_cores=None,
   for block_n in [bn for bn in (128, 64, 32) if n % bn == 0] or [16]:
     programs = m_blocks * (n // block_n)
     splits = max(range(1, max_splits + 1), key=lambda sp: (balance(programs * sp), -sp))
-    if balance(programs * splits) >= 0.5:
+    if balance(programs * splits) >= NARROW_BELOW_BALANCE:
       break
   return BlockConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_splits=splits,
                      num_stages=4 if block_m == 16 else 3)
 
 
 def _gemv_block_config(k, n, bk, num_cores, values_dtype=None) -> BlockConfig:
-  """One row on CUDA cores (GPU): weight chunks of 32 rows, 256 columns with 8 warps
-  (fp8, where 256 divides N) or 128 columns with 4 warps (int8, and fp8 where 256 does
-  not divide N); 4 stages; K splits of at most 1024 rows each, raised until the grid
-  holds three waves of 256-column blocks (128-column blocks make twice as many programs).
-
-  H100, M = 1, bf16 x (launch/bench_quant_matmul.py): against the 16-row tensor-core
-  tiling, int8 Llama / MiMo gate+up 44-46 vs 48.6 us, MiMo QKV 15.5 vs 17.8, MiMo lm_head
-  256 vs 268, o_proj and down level (12.7 / 24.6 us). Splits swept 3..25: the shapes with
-  few column blocks (QKV, o_proj, down: 16-48) are best at about three waves, as chosen;
-  the wide ones lost with splits of 512 rows (int8 / fp8 gate+up 43.9 / 49.4 us at 8
-  splits against 40.5 / 39.9 at 5, Llama lm_head 54.5 vs 52.5 at 4, MiMo lm_head 243 vs
-  235 at 4): more programs than three waves only add partial sums and pipeline fills.
-  Chunk shapes (128 / 256 / 512 columns x 16..128 rows, 4 / 8 / 16 warps, 3 / 4 stages)
-  with the same splits: int8 128 x 32 with 4 warps against 256 x 32 with 8 warps, QKV
-  14.2 vs 14.4 us, o_proj 11.4 vs 12.0, gate+up 39.4 vs 40.6, down 23.0 vs 25.1, Llama
-  lm_head 54.0 vs 52.7; fp8 lost with it (QKV Llama 27.4 vs 24.6, gate+up 43.5 vs 40.1)
-  except on MiMo's lm_head (N = 151680, where 256 does not divide N and the chunk was
-  128 x 64 with 8 warps: int8 227.7 vs 235.5, fp8 235.2 vs 254.8)."""
+  """One row on CUDA cores (GPU): weight chunks (`GEMV_FP8_CHUNK`, `GEMV_INT8_CHUNK`) of
+  32 rows, 256 columns with 8 warps (fp8, where 256 divides N) or 128 columns with 4 warps
+  (int8, and fp8 where 256 does not divide N); 4 stages; K splits of at most
+  `GEMV_SPLIT_MAX_ROWS` rows each, raised until the grid holds `GEMV_TARGET_WAVES` waves
+  of 256-column blocks (128-column blocks make twice as many programs). Products with few
+  column blocks need the splits to fill the SMs; past that, more programs only add
+  partial sums and pipeline fills. See docs/DECISIONS.md, "Quantized weights"."""
   narrow = values_dtype is not None and jnp.dtype(values_dtype) == jnp.dtype(jnp.int8)
   warps = 8
-  if not narrow and n % 256 == 0 and bk % 32 == 0:
-    block_n, block_k = 256, 32
-  elif n % 128 == 0 and bk % 32 == 0:
-    block_n, block_k, warps = 128, 32, 4
+  if not narrow and n % GEMV_FP8_CHUNK[0] == 0 and bk % GEMV_FP8_CHUNK[1] == 0:
+    block_n, block_k, warps = GEMV_FP8_CHUNK
+  elif n % GEMV_INT8_CHUNK[0] == 0 and bk % GEMV_INT8_CHUNK[1] == 0:
+    block_n, block_k, warps = GEMV_INT8_CHUNK
   else:
     for block_n in (64, 32, 16):
       block_k = 8192 // block_n
@@ -177,8 +171,8 @@ def _gemv_block_config(k, n, bk, num_cores, values_dtype=None) -> BlockConfig:
       block_k = first_divisor(bk, (128, 64, 32)) or 16
   chunks = k // block_k
   wide_blocks = -(-n // max(block_n, 256))
-  splits = -(-k // 1024)
-  splits = max(splits, -(-3 * num_cores // wide_blocks))
+  splits = -(-k // GEMV_SPLIT_MAX_ROWS)
+  splits = max(splits, -(-GEMV_TARGET_WAVES * num_cores // wide_blocks))
   splits = max(1, min(splits, chunks // 2 or 1, 64))
   return BlockConfig(block_m=1, block_n=block_n, block_k=block_k, num_splits=splits,
                      num_warps=warps, num_stages=4)

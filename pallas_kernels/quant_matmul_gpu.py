@@ -86,9 +86,9 @@ def _kernel(x_ref, v_ref, s_ref, o_ref, *, block_m, block_k, group_chunks, num_k
 def f16_dot(x_dtype, v_dtype, scale_rows: int) -> bool:
   """Whether the tensor-core path multiplies in float16: per-channel fp8 weights under
   bf16 x (x rescaled per row by a power of two, exact, into f16's range; f16's mantissa
-  is finer than bf16's, so the products lose nothing against a bf16 dot). H100,
-  MiMo-7B, fp8 per channel: the chain K=3 step at batch 1 (a 4-row verify) 7.75 ->
-  6.99 ms. Block-scaled fp8 measured 7.85 -> 8.08 ms in the same call, so it keeps bf16."""
+  is finer than bf16's, so the products lose nothing against a bf16 dot). It speeds up
+  per-channel fp8; block-scaled fp8 measured slower with it, so it keeps the bf16 dot
+  (docs/DECISIONS.md, "Quantized weights")."""
   return (scale_rows == 1 and jnp.dtype(x_dtype) == jnp.bfloat16
           and jnp.dtype(v_dtype) in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)))
 
@@ -98,10 +98,9 @@ def widen(v, dtype):
   int-to-float conversion instruction (I2F, 16 results per clock per SM on recent NVIDIA
   GPUs): the weight is sign-extended to int32 and added to the bits of 1.5 * 2^23, whose
   ulp is 1, and that float is subtracted again (|w| <= 128, so any float dtype holds the
-  result exactly). H100, one row, int8 per channel: o_proj 13.6 -> 12.5 us, MiMo QKV
-  14.9 -> 14.4, down 24.9 -> 24.1, gate+up and lm_head within 1 %. Under the tensor-core
-  dot it was slower (4 rows, gate+up 44.9 -> 58.2 us; with an f16 dot 56.5), so
-  `_kernel` keeps the plain convert."""
+  result exactly). It is faster than the conversion instruction on the CUDA-core path
+  and slower under the tensor-core dot, so `_kernel` keeps the plain convert
+  (docs/DECISIONS.md, "Quantized weights")."""
   if v.dtype != jnp.int8 or not jnp.issubdtype(dtype, jnp.floating):
     return v.astype(dtype)
   bits = v.astype(jnp.int32) + jnp.int32(0x4B400000)

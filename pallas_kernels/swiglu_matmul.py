@@ -9,9 +9,9 @@ x.dtype returns them; silu(g) * u is computed in f32 and rounded once.
 
 Why: a prefill forward runs the gate+up product as one XLA dot that writes [M, 2F] and
 then the SwiGLU as a kernel of its own that reads it back and writes [M, F]. At the batch
-job's prefill (2048 rows, MiMo-7B's 4096 x 2 x 11008) that second kernel and the wider
-write take about 35 + 15 us a layer beside the dot's 490 us. The GPU kernel keeps both
-accumulators of a tile in registers and writes only silu(g) * u (swiglu_matmul_gpu.py).
+job's prefill sizes the SwiGLU pass and half the product's write are worth saving beside
+the dot. The GPU kernel keeps both accumulators of a tile in registers and writes only
+silu(g) * u (swiglu_matmul_gpu.py).
 
 Backends (`backend=...`, else $MTP_JAX_SWIGLU_BACKEND, else the platform):
   gpu        Mosaic GPU kernel with TMA loads and wgmma (swiglu_matmul_gpu.py); Hopper
@@ -34,12 +34,13 @@ import jax.numpy as jnp
 from pallas_kernels.common import resolve_backend, swiglu
 
 BACKEND_ENV_VAR = "MTP_JAX_SWIGLU_BACKEND"
-# Fewest rows that take the kernel. At 4096 x 2 x 11008 on an H100 it took 0.87-0.92x the
-# time of XLA's dot + SwiGLU from 2048 rows, 0.95x at 512 and 1.03x / 1.24x at 1024 / 256
-# (docs/BENCHMARKS.md, "The prefill gate+up with its SwiGLU in one Mosaic GPU kernel").
+# Thresholds set by launch/bench_swiglu_matmul.py; the measurements are in
+# docs/DECISIONS.md, "Prefill and batch jobs".
+# Fewest rows that take the kernel: below it a partial last wave of tiles loses what the
+# fused epilogue saves.
 MIN_ROWS = 2048
-# Fewest MLP columns F that take it: at 4096 x 2 x 1408 (a small shared expert) it took
-# 1.21x XLA's time at 2048 rows, too few tiles for the SMs; from F = 6144 up 0.84-1.01x.
+# Fewest MLP columns F that take it: narrower MLPs (a small shared expert) give too few
+# tiles for the SMs.
 MIN_COLUMNS = 4096
 DTYPES = (jnp.bfloat16, jnp.float16)
 
