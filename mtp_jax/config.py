@@ -35,11 +35,12 @@ import numbers
 import os
 from typing import Any, Optional, Union
 
+from .strategies import METHODS, Strategy, strategy_for
+
 LAYOUTS = ("mimo", "deepseek_v3", "glm4_moe", "qwen3_next", "step3p5", "mimo_v2_flash")
 # layouts whose loaders know expert tensors
 MOE_LAYOUTS = ("deepseek_v3", "glm4_moe", "step3p5", "mimo_v2_flash")
 ROUTERS = ("sigmoid", "softmax")
-METHODS = ("none", "eagle", "per_step", "window", "chain")
 AUTO = "auto"  # num_speculative_tokens: adaptive speculation
 KV_DTYPES = (None, "fp8")  # EngineConfig.kv_dtype
 
@@ -511,12 +512,17 @@ class SpecConfig:
         elif isinstance(k, bool) or not isinstance(k, numbers.Integral):
             raise ConfigError(f"num_speculative_tokens must be an integer or {AUTO!r}, "
                               f"got {k!r}")
-        elif self.method != "none" and k < 1:
+        elif self.strategy.speculative and k < 1:
             raise ConfigError("num_speculative_tokens must be >= 1")
-        if self.method == "none" and self.adaptive:
+        if not self.strategy.speculative and self.adaptive:
             object.__setattr__(self, "adaptive", False)
         if self.relaxed_acceptance and (self.relaxed_topk < 1 or not 0 <= self.relaxed_delta <= 1):
             raise ConfigError("relaxed_topk must be >= 1 and relaxed_delta in [0, 1]")
+
+    @property
+    def strategy(self) -> Strategy:
+        """The drafting method's strategy (mtp_jax.strategies): what the method decides."""
+        return strategy_for(self.method)
 
     @property
     def auto(self) -> bool:
@@ -526,7 +532,7 @@ class SpecConfig:
     @property
     def k(self) -> int:
         """Drafts per step (0 for plain decoding); the largest K when adaptive."""
-        if self.method == "none":
+        if not self.strategy.speculative:
             return 0
         if self.auto:
             raise ConfigError("num_speculative_tokens='auto' is resolved against a model: "
@@ -537,10 +543,10 @@ class SpecConfig:
         """"auto" -> adaptive with K = the module count (eagle: 3); checked for the model."""
         spec = self
         if self.auto:
-            kmax = 0 if self.method == "none" else (
-                3 if self.method == "eagle" else max(1, cfg.num_mtp_modules))
-            spec = dataclasses.replace(self, num_speculative_tokens=kmax,
-                                       adaptive=self.method != "none")
+            strategy = self.strategy
+            spec = dataclasses.replace(self, adaptive=strategy.speculative,
+                                       num_speculative_tokens=strategy.auto_k(
+                                           cfg.num_mtp_modules))
         spec.validate_for(cfg)
         return spec
 
@@ -548,14 +554,9 @@ class SpecConfig:
         if self.auto:
             self.resolve(cfg)
             return
-        if self.method in ("window", "chain", "per_step") and not (
-                1 <= self.num_speculative_tokens <= cfg.num_mtp_modules):
-            raise ConfigError(
-                f"method {self.method} needs 1 <= num_speculative_tokens <= "
-                f"{cfg.num_mtp_modules} (the number of MTP modules), got "
-                f"{self.num_speculative_tokens}")
-        if self.method == "eagle" and cfg.num_mtp_modules < 1:
-            raise ConfigError("method eagle needs at least one MTP module")
+        err = self.strategy.check_k(self.num_speculative_tokens, cfg.num_mtp_modules)
+        if err:
+            raise ConfigError(err)
 
 
 def parse_num_speculative_tokens(text: str):

@@ -163,10 +163,8 @@ class Engine:
         self.mesh = mesh
         self.config = eng
         k = spec.k
-        n_mtp = 0 if k == 0 else (1 if spec.method == "eagle" else k)
-        if spec.method in ("window", "chain", "per_step"):
-            n_mtp = k
-        self.layout = make_layout(model.config, eng, k, model.dtype, mtp_layers=n_mtp,
+        self.layout = make_layout(model.config, eng, k, model.dtype,
+                                  mtp_layers=spec.strategy.modules(k),
                                   scales=scales)
         check_kernels(self.layout, eng, model.config)
         self.static = Static(model.config, spec, eng, self.layout, mesh,
