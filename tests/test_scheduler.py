@@ -1,6 +1,7 @@
 """The scheduler without jax: admission order, pages on demand, preemption, pinning."""
 
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -14,7 +15,8 @@ def test_importing_the_scheduler_does_not_import_jax():
     code = ("import sys; import mtp_jax.scheduler; "
             "bad = sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')); "
             "assert not bad, bad")
-    subprocess.run([sys.executable, "-c", code], check=True)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root)  # this checkout's
 
 
 @dataclasses.dataclass(frozen=True)
