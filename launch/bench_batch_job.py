@@ -74,13 +74,13 @@ class TimedEngine(Engine):
     job_chunks = None  # set: warm up only the prefill chunk lengths in it
 
     def _fill_slots(self, out):
-        before = self._admissions
+        before = self.sched.admissions
         t0 = time.perf_counter()
         super()._fill_slots(out)
-        if self._admissions != before:
+        if self.sched.admissions != before:
             jax.block_until_ready(self.state)
             self.stats["admit_seconds"] += time.perf_counter() - t0
-            self.stats["admitted"] += self._admissions - before
+            self.stats["admitted"] += self.sched.admissions - before
 
     def prefill_programs(self):
         keep = self.job_chunks
@@ -138,8 +138,9 @@ class ReservingEngine(TimedEngine):
     """Admission reserves every position a request may write (prompt + max_tokens + K),
     the baseline for pages on demand: nothing grows, nothing is preempted."""
 
-    def _admit_tokens(self, req):
-        return self._reserve_tokens(req)
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.sched.admit_tokens = self.sched.reserve_tokens
 
 
 def new_tokens(args) -> list:

@@ -68,6 +68,7 @@ from mtp_jax.checkpoint import (Model, abstract_model, quantize_model,  # noqa: 
 from mtp_jax.config import EngineConfig, ModelConfig, SpecConfig  # noqa: E402
 from mtp_jax.draft_vocab import with_draft_vocab  # noqa: E402
 from mtp_jax.drafting import draft  # noqa: E402
+from mtp_jax.strategies import CHAIN  # noqa: E402
 from mtp_jax.kv_cache import PageAllocator, PagedKV, make_layout  # noqa: E402
 from mtp_jax.calibration import calibrate_kv_scales  # noqa: E402
 from mtp_jax.quant import mode_of, reads_head_copy  # noqa: E402
@@ -256,7 +257,7 @@ def draft_loop(model, layout, b, dtype, mesh=None, spread=False, k=K, options=No
             pos = a[:, None] - k + jnp.arange(k + 1)
             toks = _tokens(tok, b, k + 1, cfg.vocab_size, spread)
             hid = jnp.zeros((b, k + 1, cfg.hidden_size), dtype) + tok[:, None, None].astype(dtype)
-            d, _ = draft(m, "chain", k, kv, toks, hid, pos, sp, sampled=sampled)
+            d, _ = draft(m, CHAIN, k, kv, toks, hid, pos, sp, sampled=sampled)
             return tuple(kv.caches), d[:, -1]
 
         with use_mesh(mesh):

