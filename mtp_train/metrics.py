@@ -124,16 +124,17 @@ def acceptance(model_dir, problems, *, methods, k=3, max_tokens=128, max_batch=1
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     out, ids_of = {}, {}
     for method in ["none"] + [m for m in methods if m != "none"]:
-        eng = Engine(model, spec=SpecConfig(method=method, num_speculative_tokens=k),
-                     max_batch=max_batch, max_model_len=max_model_len, kv_dtype=kv_dtype)
+        spec = SpecConfig(method=method, num_speculative_tokens=k)
+        eng = Engine(model, spec=spec, max_batch=max_batch, max_model_len=max_model_len,
+                     kv_dtype=kv_dtype)
         compile_s = eng.warmup()
         t0 = time.perf_counter()
         res = eng.generate([Request(i, ids, sp) for i, ids in enumerate(prompts)])
         secs = time.perf_counter() - t0
         gen = sum(r.num_generated_tokens for r in res)
         steps = sum(r.num_steps for r in res)
-        acc = np.sum([r.accepted_per_depth for r in res], axis=0) if k and method != "none" \
-            else []
+        acc = np.sum([r.accepted_per_depth for r in res], axis=0) \
+            if k and spec.strategy.speculative else []
         ids = ids_of[method] = [r.token_ids for r in res]
         copied = [repeated_ngrams(p, t) for p, t in zip(prompts, ids)]
         out[method] = dict(
