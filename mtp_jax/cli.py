@@ -12,12 +12,14 @@ from pathlib import Path
 from typing import Optional
 
 from . import draft_vocab
+from .chat import ChatError
 from .checkpoint import with_draft_head
 from .config import ConfigError, SamplingParams
 from .quant import MODES
 
 DEFAULT_MODEL_ENV = "MTP_JAX_DEFAULT_MODEL"  # overrides the shipped checkpoints/ folder
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+PROMPT_KEYS = ("prompt", "prompt_ids", "messages")
 INT32_MAX = 2**31 - 1  # top_k travels to the device as int32
 
 
@@ -45,37 +47,31 @@ def _is_scalar(x) -> bool:
     return isinstance(x, (str, int)) or (isinstance(x, float) and math.isfinite(x))
 
 
-def build_request(obj, tokenizer, defaults: SamplingParams):
-    """(prompt ids, SamplingParams) for one parsed line, or LineError saying why not."""
+def build_request(obj, tokenizer, defaults: SamplingParams, chat=None):
+    """(prompt ids, SamplingParams) for one parsed line, or LineError saying why not.
+    `chat`: the chat template (mtp_jax.chat.ChatTemplate) that renders `messages`."""
     if not isinstance(obj, dict):
         raise LineError(f"a line must be a JSON object, got {type(obj).__name__}")
     if obj.get("id") is not None and not _is_scalar(obj["id"]):
         raise LineError("id must be a string, a number or a boolean")
-    if "prompt" in obj and "prompt_ids" in obj:
-        raise LineError("give prompt (text) or prompt_ids (token ids), not both")
-    if "prompt" not in obj and "prompt_ids" not in obj:
-        raise LineError("missing prompt: give prompt (text) or prompt_ids (token ids)")
-    if "prompt" in obj:
-        text = obj["prompt"]
-        if not isinstance(text, str):
-            raise LineError(f"prompt must be a string, got {type(text).__name__}")
-        if not text:
-            raise LineError("empty prompt")
-        if tokenizer is None:
-            raise LineError("text prompt, but the model has no tokenizer.json: give prompt_ids")
-        try:
-            ids = tokenizer.encode(text).ids
-        except Exception as e:  # the tokenizer raises its own types
-            raise LineError(f"the prompt could not be tokenized: {e}") from None
-        if not ids:
-            raise LineError("the prompt encodes to no tokens")
-    else:
+    given = [k for k in PROMPT_KEYS if k in obj]
+    if len(given) > 1:
+        raise LineError(f"give one of prompt (text), prompt_ids (token ids) or messages "
+                        f"(a chat), not both {given[0]} and {given[1]}")
+    if not given:
+        raise LineError("missing prompt: give prompt (text), prompt_ids (token ids) or "
+                        "messages (a chat)")
+    if "chat_template_kwargs" in obj and "messages" not in obj:
+        raise LineError("chat_template_kwargs applies to messages only")
+    if "prompt_ids" in obj:
         ids = obj["prompt_ids"]
         if not isinstance(ids, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise LineError("prompt_ids must be a list of integers")
         if not ids:
             raise LineError("empty prompt_ids")
+    else:
+        ids = _encode(obj, tokenizer, chat)
     stop = obj.get("stop", [])
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
@@ -91,6 +87,61 @@ def build_request(obj, tokenizer, defaults: SamplingParams):
     if sp.top_k > INT32_MAX:
         raise LineError(f"invalid sampling values: top_k must be <= {INT32_MAX}, got {sp.top_k}")
     return ids, sp
+
+
+def _encode(obj, tokenizer, chat) -> list:
+    """The token ids of a line's `prompt`, or of its `messages` rendered by the chat
+    template (the text carries its own special tokens, so none are added)."""
+    if "prompt" in obj:
+        text, special = obj["prompt"], True
+        if not isinstance(text, str):
+            raise LineError(f"prompt must be a string, got {type(text).__name__}")
+        if not text:
+            raise LineError("empty prompt")
+    if tokenizer is None:
+        raise LineError(f"{'text prompt' if 'prompt' in obj else 'messages'}, but the model "
+                        "has no tokenizer.json: give prompt_ids")
+    if "messages" in obj:
+        if chat is None:
+            raise LineError("messages, but the model has no chat template (tokenizer_config."
+                            "json's chat_template or chat_template.jinja): give prompt, or "
+                            "a template with --chat-template FILE")
+        try:
+            text = chat.render(obj["messages"], obj.get("chat_template_kwargs"))
+        except ChatError as e:
+            raise LineError(str(e)) from None
+        special = False
+    try:
+        ids = tokenizer.encode(text, add_special_tokens=special).ids
+    except Exception as e:  # the tokenizer raises its own types
+        raise LineError(f"the prompt could not be tokenized: {e}") from None
+    if not ids:
+        raise LineError("the prompt encodes to no tokens")
+    return ids
+
+
+GENERATION_FIELDS = ("temperature", "top_p", "top_k")  # a checkpoint may set their defaults
+
+
+def sampling_defaults(cli: dict, checkpoint: dict, origin: str, **fixed):
+    """(SamplingParams, one summary line): each of GENERATION_FIELDS from `cli` (the
+    options given), else `checkpoint` (its generation config, read from `origin`), else
+    the built-in default; `fixed`: the other fields."""
+    built_in = SamplingParams()
+    values, where = {}, {}
+    for k in GENERATION_FIELDS:
+        for src, vals in (("command line", cli), (origin, checkpoint)):
+            if vals.get(k) is not None:
+                values[k], where[k] = vals[k], src
+                break
+        else:
+            values[k], where[k] = getattr(built_in, k), "built-in"
+    parts = {}
+    for k in GENERATION_FIELDS:
+        parts.setdefault(where[k], []).append(f"{k}={values[k]}")
+    line = "sampling defaults: " + "; ".join(f"{' '.join(v)} ({src})"
+                                             for src, v in parts.items())
+    return SamplingParams(**values, **fixed), line
 
 
 def read_lines(data: bytes, numbered: bool = False):

@@ -53,7 +53,7 @@ class Engine:
         eng, static = self.config, self.runner.static
         self.sched = Scheduler(self.layout, Limits(
             eng.max_batch, eng.max_model_len, spec.k, model.config.vocab_size,
-            eng.max_stop_ids, tuple(model.eos_token_ids), pin_sampled=not static.coupled))
+            eng.max_stop_ids, model.stop_token_ids, pin_sampled=not static.coupled))
         self.compile_seconds = 0.0
         self.control = KController(spec.k) if spec.adaptive else None
         self.step_prior = None  # seconds per step of each kind at warmup (adaptive only)

@@ -1,8 +1,13 @@
 """Offline batch generation: `python -m mtp_jax.generate --input in.jsonl --output out.jsonl`.
 
-Each input line is `{"id": ..., "prompt": "..."}` or `{"id": ..., "prompt_ids": [...]}`
-with optional `max_tokens`, `temperature`, `top_p`, `top_k`, `seed` and `stop` (a string
-or a list of strings, added to `--stop`); these override the command-line defaults. Each
+Each input line is `{"id": ..., "prompt": "..."}`, `{"id": ..., "prompt_ids": [...]}` or
+`{"id": ..., "messages": [{"role": ..., "content": ...}, ...]}` (a chat, rendered by the
+checkpoint's chat template or `--chat-template FILE`, with the line's optional
+`chat_template_kwargs` as extra template variables), with optional `max_tokens`,
+`temperature`, `top_p`, `top_k`, `seed` and `stop` (a string or a list of strings, added
+to `--stop`); these override the command-line options, which override the checkpoint's
+generation_config.json (its eos ids also end every request; `--generation-config none`
+ignores the file). Each
 line gets exactly one output record, appended whole and flushed as soon as it is known:
 results in the order requests finish, error records (`{"id": ..., "error": ...}`) as soon
 as a line is found unrunnable. A line without a usable id is called `line N` (1-based).
@@ -18,6 +23,7 @@ run: no model, an unreadable input, an unwritable output, or an invalid engine s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import json
 import os
@@ -28,9 +34,10 @@ from typing import Optional
 
 from . import compile_cache
 from .checkpoint import CheckpointError, load
-from .cli import (INT32_MAX, Fatal, LineError, add_draft_options, add_prefill_batch_option,
-                  add_quantize_option, apply_draft_options, build_request, default_model_dir,
-                  read_lines)
+from .chat import ChatError, load_chat_template
+from .cli import (GENERATION_FIELDS, INT32_MAX, Fatal, LineError, add_draft_options,
+                  add_prefill_batch_option, add_quantize_option, apply_draft_options,
+                  build_request, default_model_dir, read_lines, sampling_defaults)
 from .compile_cache import add_compile_cache_option
 from .config import (AUTO, METHODS, ConfigError, EngineConfig, SamplingParams, SpecConfig,
                      parse_num_speculative_tokens)
@@ -97,9 +104,16 @@ def parse_args(argv):
                    help="drafts per step: auto (default) picks 0..K for every dispatch, K "
                         "being the MTP module count (3 for eagle), from measured acceptance "
                         "and step costs; an integer fixes it")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--temperature", type=float,
+                   help="default: the checkpoint's generation_config.json, else 0 (greedy)")
+    p.add_argument("--top-p", type=float, help="default: generation_config.json's, else 1")
+    p.add_argument("--top-k", type=int, help="default: generation_config.json's, else 0 (off)")
+    p.add_argument("--generation-config", choices=("auto", "none"), default="auto",
+                   help="none: ignore the checkpoint's generation_config.json (its eos ids "
+                        "and sampling defaults)")
+    p.add_argument("--chat-template", metavar="FILE",
+                   help="jinja chat template for lines given as messages, instead of the "
+                        "checkpoint's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--stop", nargs="+", action="extend", default=[], metavar="STR",
@@ -118,13 +132,14 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.resume and args.output == "-":
         p.error("--resume needs an output file, not stdout")
-    try:
-        args.defaults = SamplingParams(
-            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-            seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop))
+    args.cli_sampling = {k: getattr(args, k) for k in GENERATION_FIELDS
+                         if getattr(args, k) is not None}
+    try:  # the options given, checked before anything loads
+        SamplingParams(seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
+                       **args.cli_sampling)
     except ConfigError as e:
         p.error(str(e))
-    if args.top_k > INT32_MAX:
+    if (args.top_k or 0) > INT32_MAX:
         p.error(f"--top-k must be <= {INT32_MAX}")
     return args
 
@@ -180,6 +195,27 @@ def load_model(model_dir: Path, mesh=None, quantize=None):
         raise Fatal(f"cannot load model {model_dir}: {type(e).__name__}: {e}") from None
 
 
+def with_run_files(model, model_dir: Path, args):
+    """`model` with --chat-template and --generation-config applied."""
+    if args.chat_template:
+        try:
+            chat = load_chat_template(str(model_dir), override=args.chat_template)
+        except ChatError as e:
+            raise Fatal(str(e)) from None
+        model = dataclasses.replace(model, chat_template=chat)
+    if args.generation_config == "none":
+        model = dataclasses.replace(model, generation=None)
+    return model
+
+
+def run_defaults(args, model) -> tuple:
+    """(SamplingParams, summary line): the command line's options over the checkpoint's
+    generation defaults over the built-in ones."""
+    origin = Path(model.generation.origin).name if model.generation else ""
+    return sampling_defaults(args.cli_sampling, model.generation_defaults, origin,
+                             seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop))
+
+
 def make_engine(args):
     """(model folder, model, Engine) from the command line, or Fatal saying why not."""
     if args.model:
@@ -195,6 +231,7 @@ def make_engine(args):
     except ValueError as e:
         raise Fatal(str(e)) from None
     model = apply_draft_options(load_model(model_dir, mesh, args.quantize), args)
+    model = with_run_files(model, model_dir, args)
     cfg = model.config
     if args.stop and model.tokenizer is None:
         raise Fatal("--stop needs a tokenizer and the model has no tokenizer.json")
@@ -242,7 +279,8 @@ def read_requests(data: bytes, skip: set, engine: Engine, defaults, emit,
         try:
             if isinstance(obj, LineError):
                 raise obj
-            req = Request(len(ids), *build_request(obj, engine.model.tokenizer, defaults))
+            req = Request(len(ids), *build_request(obj, engine.model.tokenizer, defaults,
+                                                    engine.model.chat_template))
             msg = engine.check(req)
             if msg:
                 raise LineError(msg)
@@ -311,6 +349,7 @@ def main(argv=None) -> int:
         except OSError as e:
             raise Fatal(f"cannot read input {args.input}: {e.strerror or e}") from None
         model_dir, model, engine = make_engine(args)
+        defaults, defaults_line = run_defaults(args, model)
         skip, cut, reported = done_ids(args.output) if args.resume else (set(), None, set())
         try:
             if cut is not None:  # drop the torn record: its id runs again
@@ -332,7 +371,7 @@ def main(argv=None) -> int:
 
     try:
         ctrl_c.install()
-        requests, ids, bad, skipped = read_requests(data, skip, engine, args.defaults, emit,
+        requests, ids, bad, skipped = read_requests(data, skip, engine, defaults, emit,
                                                     frozenset(reported))
         k = f"auto (0..{engine.spec.k})" if engine.spec.adaptive else engine.spec.k
         held = mode_of(model.params)
@@ -346,6 +385,7 @@ def main(argv=None) -> int:
         print(f"{engine.spec.method} K={k} on {model_dir}{weights}: {len(requests)} "
               f"requests, {bad} lines in error, {skipped} skipped (already in the output)",
               file=sys.stderr)
+        print(defaults_line, file=sys.stderr)
         summary = run(engine, requests, ids, emit, model.tokenizer is not None)
         ctrl_c.check()
     except KeyboardInterrupt:

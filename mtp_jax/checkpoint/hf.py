@@ -39,7 +39,7 @@ from .params import Model, abstract_model, from_params, refuse_run_time_options,
 from .placement import place, place_quantized
 from .safetensors_io import (FLOAT_CODES, CheckpointError, hf_files, read_safetensors_header,
                              read_tensor, write_safetensors)
-from .tokenizer import eos_ids, load_tokenizer
+from .tokenizer import eos_ids, load_chat, load_generation_config, load_tokenizer
 
 
 def hf_key_map(cfg: ModelConfig) -> list[Entry]:
@@ -146,7 +146,9 @@ def load_hf(path: str, *, dtype=None, config: Optional[ModelConfig] = None,
     if nonfinite:
         raise CheckpointError(f"{path}: tensors holding NaN or Inf: {sorted(nonfinite)}")
     return from_params(cfg, flat, dtype, eos_token_ids=eos_ids(path), path=path,
-                       tokenizer=load_tokenizer(path), kv_scales=load_kv_scales(path, cfg))
+                       tokenizer=load_tokenizer(path), kv_scales=load_kv_scales(path, cfg),
+                       chat_template=load_chat(path),
+                       generation=load_generation_config(path))
 
 
 

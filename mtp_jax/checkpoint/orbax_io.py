@@ -18,7 +18,8 @@ from .kv_scales import load_kv_scales, save_kv_scales
 from .params import (Model, abstract_model, from_params, quantize_model,
                      refuse_run_time_options, to_flat)
 from .safetensors_io import CheckpointError
-from .tokenizer import eos_ids, load_tokenizer
+from .tokenizer import (copy_side_files, eos_ids, load_chat, load_generation_config,
+                        load_tokenizer)
 
 ORBAX_MARKER = "mtp_jax_orbax.json"
 
@@ -36,7 +37,8 @@ def _str_keys(flat: dict) -> dict:
 
 
 def save_orbax(model: Model, path: str) -> None:
-    """Save converted params with orbax, plus config.json and tokenizer.json beside them."""
+    """Save converted params with orbax, plus config.json, tokenizer.json and the chat
+    template and generation config files of the folder the model came from beside them."""
     refuse_run_time_options(model)
     import orbax.checkpoint as ocp
 
@@ -58,6 +60,7 @@ def save_orbax(model: Model, path: str) -> None:
                    "quantized": quantized}, f)
     if model.tokenizer is not None:
         model.tokenizer.save(os.path.join(path, "tokenizer.json"))
+    copy_side_files(model.path, path)
     save_kv_scales(model, path)
 
 
@@ -119,5 +122,7 @@ def load_orbax(path: str, *, dtype=None, shardings: Optional[Callable] = None,
         arr = restored[key]
         flat[tuple(p)] = arr if arr.dtype == pdt else arr.astype(pdt)
     model = from_params(cfg, flat, dtype, eos_token_ids=eos_ids(path), path=path,
-                        tokenizer=load_tokenizer(path), kv_scales=load_kv_scales(path, cfg))
+                        tokenizer=load_tokenizer(path), kv_scales=load_kv_scales(path, cfg),
+                        chat_template=load_chat(path),
+                        generation=load_generation_config(path))
     return quantize_model(model, quantize) if quantize else model

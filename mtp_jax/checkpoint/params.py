@@ -31,6 +31,21 @@ class Model:
     # fp8 KV cache scales per layer ((k [H], v [H]) floats), from kv_scales.json beside
     # the weights or set with calibration.calibrate_kv_scales; None: calibrated when needed
     kv_scales: Optional[tuple] = None
+    chat_template: Any = None  # mtp_jax.chat.ChatTemplate, for requests given as messages
+    generation: Any = None  # tokenizer.GenerationConfig (generation_config.json) or None
+
+    @property
+    def generation_defaults(self) -> dict:
+        """The checkpoint's sampling defaults ({SamplingParams field: value}) from
+        generation_config.json; {} without one."""
+        return dict(self.generation.sampling) if self.generation is not None else {}
+
+    @property
+    def stop_token_ids(self) -> tuple:
+        """Tokens that end every request: config.json's eos ids, then
+        generation_config.json's."""
+        more = self.generation.eos_token_ids if self.generation is not None else ()
+        return tuple(dict.fromkeys(tuple(self.eos_token_ids) + tuple(more)))
 
     def module(self) -> MTPModel:
         return nnx.merge(self.graphdef, self.params)
