@@ -92,3 +92,15 @@ def test_bad_messages_and_templates(tmp_path):
         {"chat_template": [{"name": "rag", "template": "x"}]}))
     with pytest.raises(ChatError, match='no "default"'):
         load_chat_template(str(tmp_path))
+
+
+def test_record_text_leaves_special_tokens_out():
+    """Records' text comes from requests.finished's tokenizer.decode(ids)."""
+    from tokenizers import Tokenizer
+
+    from mtp_jax.requests import match_stop_string
+
+    tok = Tokenizer.from_file(str(FIXTURE / "tokenizer.json"))
+    ids = tok.encode("hello<|im_end|>\n<|im_start|>user", add_special_tokens=False).ids
+    assert tok.decode(ids) == "hello\nuser"
+    assert match_stop_string(tok, ids, ("o\nu",))[1] == "hell"  # across the special tokens

@@ -144,3 +144,18 @@ def test_cli_chat_and_generation_config(chat_ckpt, tmp_path):
     bad = run_cli(["--model", path, "--input", "-", "--output", "-",
                    "--chat-template", tmp_path / "missing.jinja"], stdin=stdin)
     assert bad.returncode == 1 and b"cannot read chat template" in bad.stderr
+
+
+def test_load_exposes_chat_and_generation_and_orbax_keeps_them(chat_ckpt, tmp_path):
+    from mtp_jax import load, save_orbax
+
+    path, want = chat_ckpt
+    model = load(str(path))
+    assert model.generation_defaults == {"temperature": 0.0, "top_k": 5}
+    assert model.stop_token_ids == (want[2],)
+    assert model.chat_template.render(CHAT).startswith("onethe quick")
+    save_orbax(model, str(tmp_path / "o"))
+    again = load(str(tmp_path / "o"))
+    assert again.generation_defaults == model.generation_defaults
+    assert again.stop_token_ids == model.stop_token_ids
+    assert again.chat_template.source == TEMPLATE
