@@ -18,7 +18,7 @@ position it predicts (and whether modules 1..k all do: the greedy acceptance of 
 on text the target did not write).
 
 Dataset lines are those of the generate CLI (`prompt` or `prompt_ids`, optional `id` and
-per-line sampling fields); a line that cannot run is reported on stderr and left out of
+per-line sampling fields; an unknown key makes the line unrunnable); a line that cannot run is reported on stderr and left out of
 every method, so all methods see the same prompts.
 """
 
@@ -42,8 +42,8 @@ from .compile_cache import add_compile_cache_option
 from .config import (ConfigError, EngineConfig, SamplingParams, SpecConfig,
                      parse_num_speculative_tokens)
 from .cli import (Fatal, LineError, add_draft_options, add_prefill_batch_option,
-                  add_quantize_option, apply_draft_options, build_request, default_model_dir,
-                  read_lines)
+                  add_quantize_option, add_verbose_option, apply_draft_options,
+                  build_request, check_keys, default_model_dir, load_error, read_lines)
 from .quant import mode_of
 from .strategies import STRATEGIES
 
@@ -89,6 +89,7 @@ def build_prompts(entries, tokenizer, defaults: SamplingParams, limit: Optional[
         try:
             if isinstance(obj, LineError):
                 raise obj
+            check_keys(obj)  # a misspelt field must not run with the default
             prompts.append(build_request(obj, tokenizer, defaults))
             ids.append(rid)
         except LineError as e:
@@ -96,9 +97,10 @@ def build_prompts(entries, tokenizer, defaults: SamplingParams, limit: Optional[
     return ids, prompts, skipped
 
 
-def load_model(path: Optional[str], dtype: Optional[str] = None, quantize=None):
+def load_model(path: Optional[str], dtype: Optional[str] = None, quantize=None,
+               verbose: bool = False):
     """(folder, Model): `path`, else the shipped model (the generate CLI's lookup),
-    quantized as asked."""
+    quantized as asked; a load error's long lists shortened unless `verbose`."""
     if path:
         model_dir = Path(path)
     else:
@@ -109,7 +111,7 @@ def load_model(path: Optional[str], dtype: Optional[str] = None, quantize=None):
     try:
         return model_dir, load(str(model_dir), dtype=dtype, quantize=quantize)
     except (CheckpointError, ConfigError, OSError) as e:
-        raise Fatal(f"cannot load model {model_dir}: {e}") from None
+        raise Fatal(f"cannot load model {model_dir}: {load_error(e, verbose)}") from None
 
 
 # ----------------------------------------------------------------- speculative runs
@@ -389,6 +391,7 @@ def parse_args(argv):
     add_quantize_option(p)
     add_draft_options(p)
     add_compile_cache_option(p)
+    add_verbose_option(p)
     args = p.parse_args(argv)
     args.methods = tuple(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip()))
     bad = [m for m in args.methods if m not in DRAFT_METHODS]
@@ -452,7 +455,7 @@ def evaluate(args, log) -> dict:
 
     if args.dtype == "float32":  # full f32 matmuls too (no TF32 / bf16 passes on GPU)
         jax.config.update("jax_default_matmul_precision", "highest")
-    model_dir, model = load_model(args.model, args.dtype, args.quantize)
+    model_dir, model = load_model(args.model, args.dtype, args.quantize, args.verbose)
     model = apply_draft_options(model, args)
     cfg = model.config
     if cfg.num_mtp_modules < 1:
