@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import os
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -21,6 +22,10 @@ DEFAULT_MODEL_ENV = "MTP_JAX_DEFAULT_MODEL"  # overrides the shipped checkpoints
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
 PROMPT_KEYS = ("prompt", "prompt_ids", "messages")
 INT32_MAX = 2**31 - 1  # top_k travels to the device as int32
+# Every key an input line may hold. Any other is an error for its line (a warning in its
+# record with --lenient): a misspelt field (`max_token`) must not run with the default.
+KNOWN_KEYS = frozenset({"id", "prompt", "prompt_ids", "messages", "chat_template_kwargs",
+                        *SAMPLING_FIELDS, "stop"})
 
 
 class LineError(ValueError):
@@ -45,6 +50,18 @@ def default_model_dir() -> tuple[Path, Optional[Path]]:
 
 def _is_scalar(x) -> bool:
     return isinstance(x, (str, int)) or (isinstance(x, float) and math.isfinite(x))
+
+
+def check_keys(obj, lenient: bool = False) -> Optional[str]:
+    """None when every key of the line is known; else LineError naming the others, or with
+    `lenient` the warning for its record."""
+    unknown = sorted(set(obj) - KNOWN_KEYS) if isinstance(obj, dict) else []
+    if not unknown:
+        return None
+    msg = f"unknown keys {unknown} (known: {', '.join(sorted(KNOWN_KEYS))})"
+    if not lenient:
+        raise LineError(msg + "; --lenient runs the line without them")
+    return msg + ": ignored"
 
 
 def build_request(obj, tokenizer, defaults: SamplingParams, chat=None):
@@ -112,7 +129,10 @@ def _encode(obj, tokenizer, chat) -> list:
             raise LineError(str(e)) from None
         special = False
     try:
-        ids = tokenizer.encode(text, add_special_tokens=special).ids
+        # a text prompt is encoded as the tokenizer does by default; rendered messages
+        # already hold their special tokens
+        ids = (tokenizer.encode(text) if special else
+               tokenizer.encode(text, add_special_tokens=False)).ids
     except Exception as e:  # the tokenizer raises its own types
         raise LineError(f"the prompt could not be tokenized: {e}") from None
     if not ids:
@@ -165,6 +185,27 @@ def read_lines(data: bytes, numbered: bool = False):
         rid = obj.get("id") if isinstance(obj, dict) else None
         rid = rid if rid is not None and _is_scalar(rid) else f"line {n}"
         yield (bad or obj, rid, n) if numbered else (bad or obj, rid)
+
+
+def load_error(e: Exception, verbose: bool = False) -> str:
+    """The message of a load error. One that names only the first few of a long list of
+    tensors (CheckpointError.full holds them all) gets the whole list under `verbose`, else
+    the name of a file holding it."""
+    full = getattr(e, "full", None)
+    if full is None or full == str(e):
+        return str(e)
+    if verbose:
+        return full
+    fd, path = tempfile.mkstemp(prefix="mtp_jax-load-error-", suffix=".txt")
+    with os.fdopen(fd, "w") as f:
+        f.write(full + "\n")
+    return f"{e} (the full list: {path}, or run with --verbose)"
+
+
+def add_verbose_option(p) -> None:
+    p.add_argument("--verbose", action="store_true",
+                   help="print a load error's long lists of tensors whole (by default the "
+                        "first few and a count, the whole list in a file it names)")
 
 
 def add_quantize_option(p) -> None:

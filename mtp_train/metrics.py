@@ -15,6 +15,7 @@ from mtp_jax.calibration import calibrate_kv_scales, fp8_kv_attend
 from mtp_jax.checkpoint import load
 from mtp_jax.config import SamplingParams, SpecConfig
 from mtp_jax.engine import Engine, Request
+from mtp_jax.metrics import repeated_ngrams  # noqa: F401 (this module's users read it here)
 from mtp_jax.mtp import forward_train
 from mtp_jax.qarray import is_quantized
 
@@ -96,20 +97,6 @@ def heldout_metrics(model_dir, splits, *, seq_len=512, quantize=None, kv_dtype=N
                                             sum(len(t.encode()) for t in texts), seq_len),
                              files=len(texts))
     return out
-
-
-def repeated_ngrams(prompt, generated, n=4) -> int:
-    """How many generated tokens complete an n-gram that already occurred earlier in the
-    prompt or the output: the share of a text a draft could get right by copying."""
-    seq, seen, hits = list(prompt), set(), 0
-    for i in range(n - 1, len(seq)):
-        seen.add(tuple(seq[i - n + 1: i + 1]))
-    for t in generated:
-        seq.append(t)
-        gram = tuple(seq[-n:])
-        hits += len(seq) >= n and gram in seen
-        seen.add(gram)
-    return hits
 
 
 def acceptance(model_dir, problems, *, methods, k=3, max_tokens=128, max_batch=16,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -271,9 +272,10 @@ def base():
 
 
 def load_error(path) -> str:
+    """The error's full text (every tensor of its lists named)."""
     with pytest.raises(CheckpointError) as err:
         mtp_jax.load(str(path))
-    return str(err.value)
+    return err.value.full
 
 
 def assert_names(message: str, names):
@@ -360,6 +362,38 @@ def test_truncated_safetensors_file(base, tmp_path, keep):
                      if k != "__metadata__" and 8 + n + v["data_offsets"][1] > cut]
         assert cut_short
         assert_names(msg, cut_short)
+
+
+def test_long_tensor_lists_are_summarised(base, tmp_path, capsys):
+    """A truncated file fails on every tensor past the cut: the message names the first
+    few and a count; the CLI writes the whole list to a file it names, or prints it under
+    --verbose. Nothing compiles."""
+    from mtp_jax.checkpoint.safetensors_io import SHOWN
+    from mtp_jax.generate import main
+
+    config, tensors = base
+    F.write_checkpoint(str(tmp_path / "m"), config, tensors)
+    path = tmp_path / "m" / "model.safetensors"
+    raw = path.read_bytes()
+    path.write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(CheckpointError) as err:
+        mtp_jax.load(str(tmp_path / "m"))
+    short, full = str(err.value), err.value.full
+    many = full.count("truncated file")
+    assert many > SHOWN and short.count("truncated file") == SHOWN
+    assert f"and {many - SHOWN} more ({many} in all)" in short and len(short) < 1500
+    (tmp_path / "in.jsonl").write_text('{"prompt_ids": [1]}\n')
+    args = ["--model", str(tmp_path / "m"), "--input", str(tmp_path / "in.jsonl"),
+            "--output", str(tmp_path / "out.jsonl")]
+    assert main(args) == 1
+    msg = capsys.readouterr().err
+    listing = re.search(r"the full list: (\S+), or run with --verbose", msg)
+    assert listing and f"({many} in all)" in msg and msg.count("truncated file") == SHOWN
+    assert Path(listing.group(1)).read_text().count("truncated file") == many
+    Path(listing.group(1)).unlink()
+    assert main(args + ["--verbose"]) == 1
+    msg = capsys.readouterr().err
+    assert msg.count("truncated file") == many and "in all" not in msg
 
 
 def test_nan_weights_are_all_named(base, tmp_path):

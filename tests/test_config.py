@@ -201,7 +201,9 @@ def test_bad_rope_scaling_names_the_field(rope_scaling, field):
     ("deepseek_v3", {"q_lora_rank": 24}, "q_lora_rank.*kv_lora_rank is not"),
     ("mimo", {"kv_lora_rank": 16}, "kv_lora_rank"),
     ("qwen3_next", {"attn_output_gate": True}, "attn_output_gate"),
-    ("qwen3_next", {"linear_num_value_heads": 4}, "linear_num_value_heads"),
+    # (inert, and dropped, where layer_types says no layer is linear attention)
+    ("qwen3_next", {"linear_num_value_heads": 4, "layer_types": None},
+     "linear_num_value_heads"),
     ("qwen3_next", {"layer_types": ["linear_attention", "full_attention"]}, "linear_attention"),
     ("mimo", {"some_new_field": 3}, "some_new_field"),
     ("mimo", {"hidden_act": "gelu"}, "gelu"),

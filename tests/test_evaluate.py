@@ -69,7 +69,7 @@ def spec_run(files):
     rc, out, err = call(["--model", files / "model", "--dataset", files / "data.jsonl",
                          "--max-tokens", MAX_TOKENS, "--max-batch", 2, "--methods", "chain,eagle",
                          "--num-speculative-tokens", K, "--output", files / "report.json",
-                         "--plot", files / "report.png"])
+                         "--plot", files / "report.png", "--repeat", 1])
     assert rc == 0, err
     return out, json.loads((files / "report.json").read_text())
 
@@ -91,7 +91,8 @@ def test_report_schema(spec_run, files):
     assert rep["device"]["kind"] == jax.devices()[0].device_kind
     keys = {"num_speculative_tokens", "max_speculative_tokens", "num_requests", "num_errors", "generated_tokens",
             "target_forwards", "mean_accepted_length", "acceptance_per_depth", "tokens_per_s",
-            "speedup_vs_none", "wall_s", "compile_s", "lossless", "mismatched_ids"}
+            "speedup_vs_none", "wall_s", "compile_s", "lossless", "mismatched_ids",
+            "wall_s_runs", "spread", "noisy", "repeated_4gram_share"}
     for m in rep["methods"].values():
         assert set(m) == keys
 
@@ -116,6 +117,8 @@ def test_report_values(spec_run):
         assert all(0 <= a <= 1 for a in m["acceptance_per_depth"])
         assert 4 <= m["target_forwards"] <= none["target_forwards"]
         assert 1 <= m["mean_accepted_length"] <= K + 1
+        assert 0 <= m["repeated_4gram_share"] <= 1
+        assert m["wall_s_runs"] == [m["wall_s"]] and m["spread"] == 0 and not m["noisy"]
     # The rank-2 head makes the drafts agree now and then.
     assert rep["methods"]["chain"]["mean_accepted_length"] > 1
 
@@ -218,6 +221,31 @@ def test_adaptive_and_fixed_k_side_by_side(files):
     assert rep["config"]["repeat"] == 2
     for row in rows.values():
         assert len(row["wall_s_runs"]) == 2 and row["wall_s"] == min(row["wall_s_runs"])
+        assert row["spread"] == pytest.approx(max(row["wall_s_runs"]) / row["wall_s"] - 1)
+        assert row["noisy"] == (row["spread"] > 0.10)
+
+
+def test_rounds_interleave_and_noisy_rows_are_flagged():
+    """Timed runs go in rounds over all methods; a row's fastest run is its time, and a
+    spread over 10 % flags it in the report and the table."""
+    from mtp_jax.evaluate import format_table, rounds, timing
+    from mtp_jax.metrics import repeated_ngrams
+
+    assert rounds(["none", "chain", "eagle"], 2) == ["none", "chain", "eagle"] * 2
+    steady, noisy = timing([2.0, 2.1, 2.05]), timing([1.0, 1.3, 1.1])
+    assert steady["wall_s"] == 2.0 and steady["spread"] == pytest.approx(0.05)
+    assert not steady["noisy"] and steady["wall_s_runs"] == [2.0, 2.1, 2.05]
+    assert noisy["wall_s"] == 1.0 and noisy["spread"] == pytest.approx(0.3) and noisy["noisy"]
+    row = {"num_speculative_tokens": 2, "mean_accepted_length": 1.5,
+           "acceptance_per_depth": [0.5, 0.25], "tokens_per_s": 10.0, "speedup_vs_none": 1.0,
+           "lossless": True, "mismatched_ids": [], "compile_s": 1.0,
+           "repeated_4gram_share": 0.25}
+    table = format_table({"none": {**row, **steady}, "chain": {**row, **noisy}})
+    lines = table.splitlines()
+    assert "noisy" not in lines[2] and "noisy (30% spread)" in lines[3]
+    assert "0.25" in lines[3] and "more than 10%" in lines[-1]
+    assert "noisy" not in format_table({"none": {**row, **steady}})
+    assert repeated_ngrams([1, 2, 3, 4], [1, 2, 3, 4]) == 1
 
 
 def test_method_stats_accounting():

@@ -50,6 +50,7 @@ ERRORS = [
     ({"id": "seed", "prompt_ids": [1], "seed": -3}, "seed", "seed"),
     ({"id": "stop", "prompt_ids": [1], "stop": [1]}, "stop", "stop"),
     ({"id": [1], "prompt_ids": [1]}, "line {n}", "id must be"),
+    ({"id": "typo", "prompt_ids": [1], "max_token": 3}, "typo", "unknown keys ['max_token']"),
     ([1, 2], "line {n}", "JSON object"),
 ]
 RAW_ERRORS = [  # lines that are not JSON at all
@@ -226,7 +227,7 @@ def test_model_without_tokenizer_or_mtp(tmp_path, capsys):
                    '{"id": "b", "prompt_ids": [1], "stop": "x"}\n')
     args = ["--model", str(tmp_path / "m"), "--input", str(inp), "--output", str(out),
             *ENGINE_ARGS]
-    assert main(args) == 0
+    assert main(args) == 1  # every line in error: nothing ran
     recs = records(out.read_bytes())
     assert [r["id"] for r in recs] == ["a", "b"]
     assert "tokenizer" in recs[0]["error"] and "tokenizer" in recs[1]["error"]
@@ -305,3 +306,47 @@ def test_duplicate_ids_later_line_gets_an_error_and_resume_loses_nothing(ckpt, t
     assert sum("duplicate_of_line" in r for r in again) == 1
     assert sorted(r["id"] for r in again if "token_ids" in r) == ["a", "b", "c"]
     assert [r for r in again if r["id"] == "a" and "token_ids" in r][0] == ran["a"]
+
+
+def test_strict_keys_exit_status_when_nothing_runs(ckpt, tmp_path, capsys):
+    """Unknown keys are an error record for their line; an input of which no line runs
+    (or that has no lines) exits 1. Nothing here compiles."""
+    from mtp_jax.cli import KNOWN_KEYS
+    from mtp_jax.generate import main
+
+    assert {"id", "prompt", "prompt_ids", "max_tokens", "temperature", "top_p", "top_k",
+            "seed", "stop", "messages", "chat_template_kwargs"} == KNOWN_KEYS
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    args = ["--model", str(ckpt / "shipped" / "hf"), "--input", str(inp), "--output",
+            str(out), "--method", "none", *ENGINE_ARGS]
+    inp.write_text('{"id": "a", "prompt_ids": [1], "max_token": 3}\n'
+                   '{"id": "b", "promt": "hi"}\n')
+    assert main(args) == 1
+    recs = records(out.read_bytes())
+    assert [r["id"] for r in recs] == ["a", "b"]
+    assert "unknown keys ['max_token']" in recs[0]["error"] and "--lenient" in recs[0]["error"]
+    assert "unknown keys ['promt']" in recs[1]["error"]
+    assert "no line of the input ran" in capsys.readouterr().err
+    inp.write_text("\n")
+    assert main(args) == 1 and out.read_bytes() == b""
+    assert "the input has no lines" in capsys.readouterr().err
+
+
+def test_lenient_warns_and_max_tokens_capped(ckpt, tmp_path):
+    """--lenient runs a line with unknown keys and says so in its record; a max_tokens that
+    does not fit max_model_len after the prompt is capped and the record says to what."""
+    from mtp_jax.generate import main
+
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(json.dumps({"id": "w", "prompt_ids": [3, 5], "max_tokens": 4,
+                               "colour": "red"}) + "\n"
+                   + json.dumps({"id": "cap", "prompt_ids": [1] * 60, "max_tokens": 10})
+                   + "\n" + json.dumps({"id": "bad", "prompt_ids": [], "x": 1}) + "\n")
+    assert main(["--model", str(ckpt / "shipped" / "hf"), "--input", str(inp), "--output",
+                 str(out), "--method", "none", "--lenient", *ENGINE_ARGS]) == 0
+    recs = {r["id"]: r for r in records(out.read_bytes())}
+    assert recs["w"]["num_generated_tokens"] == 4 and "max_tokens_capped" not in recs["w"]
+    assert "unknown keys ['colour']" in recs["w"]["warning"]
+    assert recs["cap"]["max_tokens_capped"] == 4 == recs["cap"]["num_generated_tokens"]
+    assert "warning" not in recs["cap"]
+    assert "empty prompt_ids" in recs["bad"]["error"] and "['x']" in recs["bad"]["warning"]

@@ -37,8 +37,8 @@ from .block_scaled import BlockScaled, block_scales, check_quantized, keep_quant
 from .kv_scales import load_kv_scales, save_kv_scales
 from .params import Model, abstract_model, from_params, refuse_run_time_options, to_flat
 from .placement import place, place_quantized
-from .safetensors_io import (FLOAT_CODES, CheckpointError, hf_files, read_safetensors_header,
-                             read_tensor, write_safetensors)
+from .safetensors_io import (FLOAT_CODES, CheckpointError, hf_files, listed, problems_error,
+                             read_safetensors_header, read_tensor, write_safetensors)
 from .tokenizer import eos_ids, load_chat, load_generation_config, load_tokenizer
 
 
@@ -87,33 +87,36 @@ def load_hf(path: str, *, dtype=None, config: Optional[ModelConfig] = None,
     entries = hf_key_map(cfg)
     expected = {nm: shp for e in entries for nm, shp in zip(e.names, e.shapes)}
     if dup:
-        problems.append("duplicate tensors (in several files): " + ", ".join(
-            f"{k} in {[os.path.basename(x) for x in v]}" for k, v in sorted(dup.items())))
+        twice = [f"{k} in {[os.path.basename(x) for x in v]}" for k, v in sorted(dup.items())]
+        problems.append(lambda n: "duplicate tensors (in several files): "
+                        + listed(twice, n, ", "))
     missing = sorted(set(expected) - set(found))
     if missing:
-        problems.append(f"missing tensors: {missing}")
+        problems.append(lambda n: f"missing tensors: {listed(missing, n)}")
     unexpected = sorted(set(found) - set(expected))
     if unexpected:
-        problems.append(f"unexpected tensors: {unexpected}")
+        problems.append(lambda n: f"unexpected tensors: {listed(unexpected, n)}")
     shaped = sorted(f"{k} has shape {list(found[k][2][1])}, expected {list(expected[k])}"
                     for k in set(found) & set(expected) if found[k][2][1] != tuple(expected[k]))
     if shaped:
-        problems.append("mis-shaped tensors: " + "; ".join(shaped))
+        problems.append(lambda n: "mis-shaped tensors: " + listed(shaped, n, "; "))
     typed = sorted(f"{k} has dtype {found[k][2][0]}" for k in set(found) & set(expected)
                    if found[k][2][0] not in FLOAT_CODES and k not in fp8)
     if typed:
-        problems.append("non-float tensors where weights are expected: " + "; ".join(typed))
+        problems.append(lambda n: "non-float tensors where weights are expected: "
+                        + listed(typed, n, "; "))
     if weight_map is not None:
         wrong = sorted(k for k, (fp, _, _) in found.items()
                        if k in weight_map and os.path.basename(fp) != weight_map[k])
         unindexed = sorted(k for k in found if k not in weight_map)
         if wrong:
-            problems.append(f"tensors stored in a different shard than the index says: {wrong}")
+            problems.append(lambda n: "tensors stored in a different shard than the index "
+                            f"says: {listed(wrong, n)}")
         if unindexed:
-            problems.append(f"tensors missing from the index: {unindexed}")
+            problems.append(lambda n: f"tensors missing from the index: {listed(unindexed, n)}")
     if problems:
-        raise CheckpointError(f"{path}: checkpoint does not match its config "
-                              f"({cfg.layout}): " + " | ".join(problems))
+        raise problems_error(f"{path}: checkpoint does not match its config ({cfg.layout}): ",
+                             problems, " | ")
     abstract = abstract_model(cfg, dtype)
     axes = quant.quant_axes(abstract)
     _, state = nnx.split(abstract)
@@ -144,7 +147,8 @@ def load_hf(path: str, *, dtype=None, config: Optional[ModelConfig] = None,
             flat[e.path] = quant.quantize_array(flat[e.path], axes[e.path], mode)
         del arrs, raw
     if nonfinite:
-        raise CheckpointError(f"{path}: tensors holding NaN or Inf: {sorted(nonfinite)}")
+        raise problems_error(f"{path}: tensors holding NaN or Inf: ",
+                             [lambda n: listed(sorted(nonfinite), n)], "")
     return from_params(cfg, flat, dtype, eos_token_ids=eos_ids(path), path=path,
                        tokenizer=load_tokenizer(path), kv_scales=load_kv_scales(path, cfg),
                        chat_template=load_chat(path),

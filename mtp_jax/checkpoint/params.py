@@ -15,7 +15,7 @@ from flax import nnx
 from .. import qarray, quant
 from ..config import ConfigError, ModelConfig
 from ..mtp import MTPModel
-from .safetensors_io import CheckpointError
+from .safetensors_io import CheckpointError, listed, problems_error
 
 
 @dataclasses.dataclass
@@ -74,7 +74,7 @@ def from_params(cfg: ModelConfig, flat: dict, dtype, **extra) -> Model:
         v = flat[tuple(path)]
         var.set_value(v if qarray.is_quantized(v) else jnp.asarray(v, var.get_value().dtype))
     if missing:
-        raise CheckpointError(f"parameters not provided: {missing}")
+        raise problems_error("parameters not provided: ", [lambda n: listed(missing, n)], "")
     return Model(cfg, graphdef, state, **extra)
 
 

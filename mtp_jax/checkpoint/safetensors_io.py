@@ -5,7 +5,8 @@ HF folder's file set (one file, or shards with their index).
 `read_safetensors_header` checks every entry against the file size before any data is
 read; `read_tensor` memory-maps one tensor; `write_safetensors` writes one file;
 `hf_files` lists a folder's safetensors files with its index's weight map.
-`CheckpointError` is the error of every checkpoint module.
+`CheckpointError` is the error of every checkpoint module; `problems_error` makes one that
+names the first few of a long list of tensors (all of them in its `full`).
 """
 
 from __future__ import annotations
@@ -19,8 +20,39 @@ import ml_dtypes
 import numpy as np
 
 
+SHOWN = 5  # items of a list named in an error message; the rest are counted
+
+
 class CheckpointError(ValueError):
-    """A checkpoint that does not match its config or is unreadable."""
+    """A checkpoint that does not match its config or is unreadable. `full`: the message
+    with every item of its lists, where the message names the first few and a count (a
+    truncated checkpoint fails on every tensor: one line of them all does not read)."""
+
+    def __init__(self, message: str, full: Optional[str] = None):
+        super().__init__(message)
+        self.full = full or message
+
+
+def listed(items, shown: Optional[int] = SHOWN, sep: Optional[str] = None) -> str:
+    """`items` as a list (joined by `sep`, else as Python's list repr): the first `shown`
+    and a count of the rest, all of them when `shown` is None."""
+    items = list(items)
+    cut = items if shown is None or len(items) <= shown else items[:shown]
+    more = f"... and {len(items) - len(cut)} more ({len(items)} in all)" \
+        if len(cut) < len(items) else ""
+    if sep is not None:
+        return sep.join(cut + ([more] if more else []))
+    return repr(cut)[:-1] + (f", {more}]" if more else "]")
+
+
+def problems_error(prefix: str, problems: list, sep: str) -> CheckpointError:
+    """CheckpointError of `prefix` + `problems` joined by `sep`: each a string, or a
+    function of `shown` (`listed`'s) for one that names a list of tensors. The message
+    shows the first SHOWN of every list (and of the problems), `full` all of them."""
+    def text(shown):
+        parts = [p if isinstance(p, str) else p(shown) for p in problems]
+        return prefix + listed(parts, shown, sep)
+    return CheckpointError(text(SHOWN), full=text(None))
 
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -86,8 +118,8 @@ def read_safetensors_header(path: str) -> dict:
             problems.append(f"{name}: a gap of {b - end} bytes before its data")
         if e > end:
             end, last = e, name
-    if problems:
-        raise CheckpointError(f"{path}: " + "; ".join(problems))
+    if problems:  # a truncated file: one for every tensor past the cut
+        raise problems_error(f"{path}: ", problems, "; ")
     return out
 
 

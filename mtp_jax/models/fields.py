@@ -115,7 +115,7 @@ def layer_counts(raw: dict, mtp_layers: Optional[int]):
 
 
 MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-             "v_head_dim", "rope_interleave")
+             "v_head_dim", "rope_interleave", "qk_head_dim")
 
 
 def parse_mla(raw: dict, get) -> Optional[MLAConfig]:
@@ -142,6 +142,14 @@ def parse_mla(raw: dict, get) -> Optional[MLAConfig]:
         raise ConfigError("config field use_mla=false: DeepSeek-V3 with MLA switched off is "
                           "not a published model; not supported")
     get("use_mla", True)
+    # transformers >= 5 writes the q/k head size derived from the two parts
+    derived = get("qk_head_dim", None)
+    nope, rope = raw.get("qk_nope_head_dim"), raw.get("qk_rope_head_dim")
+    if derived is not None and isinstance(nope, int) and isinstance(rope, int) \
+            and derived != nope + rope:
+        raise ConfigError(f"config field qk_head_dim={derived!r} disagrees with "
+                          f"qk_nope_head_dim + qk_rope_head_dim = {nope} + {rope} = "
+                          f"{nope + rope}")
     try:
         return MLAConfig(kv_lora_rank=dim("kv_lora_rank"), qk_nope_dim=dim("qk_nope_head_dim"),
                          qk_rope_dim=dim("qk_rope_head_dim"), v_head_dim=dim("v_head_dim"),

@@ -4,8 +4,8 @@ dims, full rotary), `first_k_dense_replace` dense layers.
 
 Configs come as published (DeepSeek-V3 keys) or as transformers >= 5 saves them: the dense
 layers as `mlp_layer_types` ("dense" / "sparse" per target layer, dense ones first),
-`qk_head_dim` (nope + rope, checked against the MLA dims), `rope_parameters`. The MTP layer
-is GLM's: its own embed_tokens / shared_head.head where the checkpoint has them, else the
+`qk_head_dim` (nope + rope: checked with every MLA family's, fields.parse_mla),
+`rope_parameters`. The MTP layer is GLM's: its own embed_tokens / shared_head.head where the checkpoint has them, else the
 target's (`Glm4Moe.fit_to_checkpoint`).
 """
 
@@ -37,9 +37,4 @@ class Glm4MoeLite(Glm4Moe):
                 raise ConfigError(f"config fields mlp_layer_types ({dense} dense layers) and "
                                   f"first_k_dense_replace={given!r} disagree")
             raw["first_k_dense_replace"] = dense
-        qk_head_dim = raw.pop("qk_head_dim", None)
-        nope, rope = raw.get("qk_nope_head_dim"), raw.get("qk_rope_head_dim")
-        if qk_head_dim is not None and qk_head_dim != (nope or 0) + (rope or 0):
-            raise ConfigError(f"config field qk_head_dim={qk_head_dim!r} is not "
-                              f"qk_nope_head_dim + qk_rope_head_dim ({nope} + {rope})")
         return raw, {}

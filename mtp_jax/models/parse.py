@@ -193,6 +193,14 @@ def parse_config(raw: dict, family, mtp_layers: Optional[int] = None) -> ModelCo
                               f"{num_layers} or {num_layers + num_mtp}")
         if "sliding_attention" in layer_types and not window:
             raise ConfigError("layer_types has sliding_attention but sliding_window is unset")
+        if "use_sliding_window" in raw:  # transformers >= 5 writes both: they must agree
+            derived = ["sliding_attention" if use_sw and window and i >= max_window_layers
+                       else "full_attention" for i in range(num_layers)]
+            if list(layer_types[:num_layers]) != derived:
+                raise ConfigError(
+                    f"config field layer_types={layer_types!r} disagrees with "
+                    f"use_sliding_window={use_sw}, sliding_window={window!r}, "
+                    f"max_window_layers={max_window_layers}, which give {derived!r}")
         kinds = [window if t == "sliding_attention" else None for t in layer_types]
         target_windows = tuple(kinds[:num_layers])
         mtp_windows = tuple(kinds[num_layers:]) or (None,) * num_mtp
