@@ -87,8 +87,8 @@ def record(rid, res, has_tokenizer: bool) -> dict:
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m mtp_jax.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="HF-layout or mtp_jax orbax folder (default: the shipped "
-                                   "model in checkpoints/)")
+    p.add_argument("--model", help="HF-layout or mtp_jax orbax folder, or a Hugging Face Hub "
+                                   "id org/name[@revision] (default: the shipped model)")
     p.add_argument("--input", required=True, help="JSONL prompts, or - for stdin")
     p.add_argument("--output", required=True, help="JSONL results, or - for stdout")
     p.add_argument("--method", choices=METHODS, help="draft strategy (default chain; none "
@@ -169,7 +169,7 @@ def _k_arg(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def load_model(model_dir: Path, mesh=None, quantize=None):
+def load_model(model_dir, mesh=None, quantize=None):
     """The model in `model_dir` (streamed onto `mesh` if given, quantized if asked), or
     Fatal saying why not (raised before anything compiles)."""
     try:
@@ -183,7 +183,7 @@ def load_model(model_dir: Path, mesh=None, quantize=None):
 def make_engine(args):
     """(model folder, model, Engine) from the command line, or Fatal saying why not."""
     if args.model:
-        model_dir = Path(args.model)
+        model_dir = args.model  # a folder or a hub id (load resolves it: checkpoint/hub.py)
     else:
         searched, model_dir = default_model_dir()
         if model_dir is None:
