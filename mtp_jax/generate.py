@@ -35,6 +35,7 @@ from .compile_cache import add_compile_cache_option
 from .config import (AUTO, METHODS, ConfigError, EngineConfig, SamplingParams, SpecConfig,
                      parse_num_speculative_tokens)
 from .engine import Engine, Request
+from .progress import Heartbeat
 from .quant import mode_of
 from .sharding import make_mesh, param_sharding
 
@@ -257,11 +258,19 @@ def read_requests(data: bytes, skip: set, engine: Engine, defaults, emit,
 
 def run(engine: Engine, requests: list, ids: list, emit, has_tokenizer: bool) -> str:
     """Stream the requests, emitting each record as it finishes; the summary lines."""
+    with Heartbeat() as beat:  # stderr not a terminal: a line every ~10 s instead of a bar
+        beat.set("compiling the engine's programs")
+        compile_s = engine.warmup(requests) if requests else 0.0
+        return _stream(engine, requests, ids, emit, has_tokenizer, compile_s, beat)
+
+
+def _stream(engine, requests, ids, emit, has_tokenizer, compile_s, beat) -> str:
+    """run() after the compile: a progress bar on a terminal, else `beat` says how far."""
     from tqdm import tqdm
 
-    compile_s = engine.warmup(requests) if requests else 0.0
     bar = tqdm(total=len(requests), file=sys.stderr, unit="req", disable=None)
     ok, gen, fwd, acc, tried = 0, 0, 0, [0] * engine.spec.k, [0] * engine.spec.k
+    beat.set(lambda: f"{bar.n}/{len(requests)} requests done, {gen} tokens generated")
     t0 = time.perf_counter()
     for res in engine.stream(requests) if requests else ():  # stream() would compile
         rec = record(ids[res.id], res, has_tokenizer)
