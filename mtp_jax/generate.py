@@ -270,7 +270,8 @@ def _stream(engine, requests, ids, emit, has_tokenizer, compile_s, beat) -> str:
 
     bar = tqdm(total=len(requests), file=sys.stderr, unit="req", disable=None)
     ok, gen, fwd, acc, tried = 0, 0, 0, [0] * engine.spec.k, [0] * engine.spec.k
-    beat.set(lambda: f"{bar.n}/{len(requests)} requests done, {gen} tokens generated")
+    done = 0  # bar.n stays 0 while the bar is off
+    beat.set(lambda: f"{done}/{len(requests)} requests done, {gen} tokens generated")
     t0 = time.perf_counter()
     for res in engine.stream(requests) if requests else ():  # stream() would compile
         rec = record(ids[res.id], res, has_tokenizer)
@@ -283,6 +284,7 @@ def _stream(engine, requests, ids, emit, has_tokenizer, compile_s, beat) -> str:
         bar.set_postfix_str(f"{gen / (time.perf_counter() - t0):.1f} tok/s, "
                             f"{gen / max(fwd, 1):.2f} tokens/forward", refresh=False)
         bar.update(1)
+        done += 1
     run_s = time.perf_counter() - t0
     bar.close()
     depth = " ".join(f"{a / max(t, 1):.3f}" for a, t in zip(acc, tried)) or "- (no drafts)"
