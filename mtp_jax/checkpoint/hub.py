@@ -39,13 +39,6 @@ def parse_hub_id(spec: str) -> Optional[tuple[str, Optional[str]]]:
     return (m["repo"], m["rev"]) if m else None
 
 
-def cache_dir() -> str:
-    """The hub cache folder huggingface_hub uses in this process (HF_HUB_CACHE / HF_HOME)."""
-    from huggingface_hub import constants
-
-    return constants.HF_HUB_CACHE
-
-
 def local_path(spec: str) -> str:
     """The local folder of `spec`: itself when it is a path, else its hub snapshot,
     downloaded (only `ALLOW_PATTERNS`) when not yet cached. HubError says why not."""
