@@ -2,11 +2,15 @@
 # Runs mtp_jax on a Cloud TPU VM: creates the VM, installs the project with jax[tpu] on
 # every worker, runs batch generation (launch/data/example_prompts.jsonl) and the
 # evaluation (HumanEval: acceptance per depth, tokens/s vs plain decoding, lossless
-# check), copies the results back and, with --delete, deletes the VM.
+# check), copies the results back and, with --delete, deletes the VM. With --hub-model, a
+# published MTP checkpoint is also run by hub id (int8 weights) on chat messages
+# (launch/data/chat_prompts.jsonl), plain decoding against speculative, and the speed-up
+# is printed.
 #
 #   bash launch/tpu_vm.sh [--dry-run] [--name NAME] [--zone ZONE] [--project PROJECT]
 #       [--accelerator-type v5litepod-8] [--version tpu-ubuntu2204-base] [--repo URL]
 #       [--model PATH] [--mesh tp=N,dp=M] [--limit N] [--results DIR] [--delete]
+#       [--hub-model ORG/NAME[@REVISION]]
 #
 #   --dry-run   print every command, one per line, exactly as it would run; run nothing
 #               (gcloud need not be installed)
@@ -15,6 +19,8 @@
 #   --mesh      mesh for generate, e.g. tp=4 (default: one chip)
 #   --limit     evaluate only the first N HumanEval prompts (default: all 164)
 #   --results   local folder for the results (default: tpu_results/NAME)
+#   --hub-model a Hugging Face Hub id, e.g. XiaomiMiMo/MiMo-7B-RL: downloaded on the VM,
+#               run with --method none and with chain (results/hub_{none,chain}.*)
 #
 # A slice of more than one host (the accelerator type's suffix above 8: v4-16,
 # v5litepod-16, ...) runs generate and evaluate through launch/multihost.py on every
@@ -27,7 +33,7 @@ set -euo pipefail
 
 dry_run=0 delete=0
 name=mtp-jax-demo zone=us-west4-a project="" accel=v5litepod-8 version=tpu-ubuntu2204-base
-repo="" model="" mesh="" limit="" results=""
+repo="" model="" mesh="" limit="" results="" hub_model=""
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 die() { local code=$1; shift; echo "tpu_vm.sh: $*" >&2; exit "$code"; }  # die STATUS MSG
@@ -37,12 +43,14 @@ while (($#)); do
     --dry-run) dry_run=1 ;;
     --delete) delete=1 ;;
     -h|--help) usage; exit 0 ;;
-    --name|--zone|--project|--accelerator-type|--version|--repo|--model|--mesh|--limit|--results)
+    --name|--zone|--project|--accelerator-type|--version|--repo|--model|--mesh|--limit|--results|\
+    --hub-model)
       (($# >= 2)) && [[ -n "$2" && "$2" != --* ]] || die 2 "$1 needs a value (see --help)"
       case "$1" in
         --name) name=$2 ;; --zone) zone=$2 ;; --project) project=$2 ;;
         --accelerator-type) accel=$2 ;; --version) version=$2 ;; --repo) repo=$2 ;;
         --model) model=$2 ;; --mesh) mesh=$2 ;; --limit) limit=$2 ;; --results) results=$2 ;;
+        --hub-model) hub_model=$2 ;;
       esac
       shift ;;
     --*=*) set -- "${1%%=*}" "${1#*=}" "${@:2}"; continue ;;
@@ -59,6 +67,8 @@ chips=${BASH_REMATCH[1]}
 [[ -z "$limit" || "$limit" =~ ^[1-9][0-9]*$ ]] || die 2 "--limit '$limit': a positive integer"
 [[ -z "$mesh" || "$mesh" =~ ^(tp|dp)=[0-9]+(,(tp|dp)=[0-9]+)?$ ]] ||
   die 2 "--mesh '$mesh': expected tp=N,dp=M"
+[[ -z "$hub_model" || "$hub_model" =~ ^[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*(@[-A-Za-z0-9_./]+)?$ ]] ||
+  die 2 "--hub-model '$hub_model': expected a hub id ORG/NAME or ORG/NAME@REVISION"
 if [[ -z "$repo" ]] && command -v git >/dev/null; then
   repo=$(git -C "$(dirname "$0")" remote get-url origin 2>/dev/null || true)
 fi
@@ -106,6 +116,13 @@ ssh_all "set -e; cd mtp_jax && mkdir -p results && $gen$model_arg \
 ssh_all "set -e; cd mtp_jax && mkdir -p results && $evaluate$model_arg \
 --dataset humaneval${limit:+ --limit $limit} --output results/evaluate.json \
 --plot results/evaluate.png"
+if [[ -n "$hub_model" ]]; then  # plain, then speculative; the summaries' tokens/s compared
+  ssh_all "set -e; cd mtp_jax && mkdir -p results && for m in none chain; do $gen \
+--model $(q "$hub_model") --quantize int8 --method \$m --input launch/data/chat_prompts.jsonl \
+--output results/hub_\$m.jsonl 2> results/hub_\$m.log; done; awk -F' [|] ' \
+'/tokens\/s/ { t[n++] = \$2 + 0 } END { printf \"plain %.1f, chain %.1f tokens/s: speed-up \
+%.2fx\\n\", t[0], t[1], t[1] / t[0] }' results/hub_none.log results/hub_chain.log"
+fi
 run mkdir -p "$(dirname "$results")"
 run gcloud compute tpus tpu-vm scp --recurse "$name:mtp_jax/results" "$results" "${where[@]}" \
   --worker=0

@@ -18,7 +18,7 @@ from .checkpoint import with_draft_head
 from .config import ConfigError, SamplingParams
 from .quant import MODES
 
-DEFAULT_MODEL_ENV = "MTP_JAX_DEFAULT_MODEL"  # overrides the shipped checkpoints/ folder
+DEFAULT_MODEL_ENV = "MTP_JAX_DEFAULT_MODEL"  # overrides the shipped model's folder
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
 PROMPT_KEYS = ("prompt", "prompt_ids", "messages")
 INT32_MAX = 2**31 - 1  # top_k travels to the device as int32
@@ -36,11 +36,18 @@ class Fatal(Exception):
     """Nothing can run (exit status 1)."""
 
 
+def shipped_model_root() -> Path:
+    """Where the shipped model is: inside the package when installed from a wheel (setup.py
+    copies checkpoints/ there), else checkpoints/ of the checkout."""
+    installed = Path(__file__).resolve().parent / "shipped_model"
+    return installed if installed.is_dir() else \
+        Path(__file__).resolve().parent.parent / "checkpoints"
+
+
 def default_model_dir() -> tuple[Path, Optional[Path]]:
     """(the folder searched, the model in it): itself if it holds a config.json, else its
     single subfolder holding one, else None."""
-    root = Path(os.environ.get(DEFAULT_MODEL_ENV) or
-                Path(__file__).resolve().parent.parent / "checkpoints")
+    root = Path(os.environ.get(DEFAULT_MODEL_ENV) or shipped_model_root())
     if (root / "config.json").is_file():
         return root, root
     subs = [p for p in sorted(root.iterdir()) if (p / "config.json").is_file()] \

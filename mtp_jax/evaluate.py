@@ -110,7 +110,7 @@ def load_model(path: Optional[str], dtype: Optional[str] = None, quantize=None,
     """(folder, Model): `path`, else the shipped model (the generate CLI's lookup),
     quantized as asked; a load error's long lists shortened unless `verbose`."""
     if path:
-        model_dir = Path(path)
+        model_dir = path  # a folder or a hub id (load resolves it: checkpoint/hub.py)
     else:
         searched, model_dir = default_model_dir()
         if model_dir is None:
@@ -388,7 +388,8 @@ def plot(report: dict, path: str) -> None:
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m mtp_jax.evaluate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="model folder (default: the shipped model in checkpoints/)")
+    p.add_argument("--model", help="model folder or Hugging Face Hub id org/name[@revision] "
+                                   "(default: the shipped model)")
     p.add_argument("--dataset", required=True, help="humaneval, or a JSONL file of prompts")
     p.add_argument("--limit", type=int, help="use only the first N runnable prompts")
     p.add_argument("--methods", default=",".join(DRAFT_METHODS),

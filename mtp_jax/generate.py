@@ -47,6 +47,7 @@ from .compile_cache import add_compile_cache_option
 from .config import (AUTO, METHODS, ConfigError, EngineConfig, SamplingParams, SpecConfig,
                      parse_num_speculative_tokens)
 from .engine import Engine, Request
+from .progress import Heartbeat
 from .quant import mode_of
 from .sharding import make_mesh, param_sharding
 
@@ -99,8 +100,8 @@ def record(rid, res, has_tokenizer: bool) -> dict:
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m mtp_jax.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="HF-layout or mtp_jax orbax folder (default: the shipped "
-                                   "model in checkpoints/)")
+    p.add_argument("--model", help="HF-layout or mtp_jax orbax folder, or a Hugging Face Hub "
+                                   "id org/name[@revision] (default: the shipped model)")
     p.add_argument("--input", required=True, help="JSONL prompts, or - for stdin")
     p.add_argument("--output", required=True, help="JSONL results, or - for stdout")
     p.add_argument("--method", choices=METHODS, help="draft strategy (default chain; none "
@@ -193,7 +194,7 @@ def _k_arg(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def load_model(model_dir: Path, mesh=None, quantize=None, verbose: bool = False):
+def load_model(model_dir, mesh=None, quantize=None, verbose: bool = False):
     """The model in `model_dir` (streamed onto `mesh` if given, quantized if asked), or
     Fatal saying why not (raised before anything compiles; a long list of tensors
     shortened unless `verbose`, `load_error`)."""
@@ -205,11 +206,12 @@ def load_model(model_dir: Path, mesh=None, quantize=None, verbose: bool = False)
         raise Fatal(f"cannot load model {model_dir}: {type(e).__name__}: {e}") from None
 
 
-def with_run_files(model, model_dir: Path, args):
+def with_run_files(model, model_dir, args):
     """`model` with --chat-template and --generation-config applied."""
     if args.chat_template:
         try:
-            chat = load_chat_template(str(model_dir), override=args.chat_template)
+            # the folder it was loaded from (a hub id resolves to its snapshot folder)
+            chat = load_chat_template(str(model.path or model_dir), override=args.chat_template)
         except ChatError as e:
             raise Fatal(str(e)) from None
         model = dataclasses.replace(model, chat_template=chat)
@@ -229,7 +231,7 @@ def run_defaults(args, model) -> tuple:
 def make_engine(args):
     """(model folder, model, Engine) from the command line, or Fatal saying why not."""
     if args.model:
-        model_dir = Path(args.model)
+        model_dir = args.model  # a folder or a hub id (load resolves it: checkpoint/hub.py)
     else:
         searched, model_dir = default_model_dir()
         if model_dir is None:
@@ -317,11 +319,21 @@ def run(engine: Engine, requests: list, ids: list, emit, has_tokenizer: bool,
         notes: Optional[list] = None) -> tuple[str, int]:
     """Stream the requests, emitting each record (with its `notes` fields) as it finishes;
     (the summary lines, how many finished without error)."""
+    with Heartbeat() as beat:  # stderr not a terminal: a line every ~10 s instead of a bar
+        beat.set("compiling the engine's programs")
+        compile_s = engine.warmup(requests) if requests else 0.0
+        return _stream(engine, requests, ids, emit, has_tokenizer, notes, compile_s, beat)
+
+
+def _stream(engine, requests, ids, emit, has_tokenizer, notes, compile_s,
+            beat) -> tuple[str, int]:
+    """run() after the compile: a progress bar on a terminal, else `beat` says how far."""
     from tqdm import tqdm
 
-    compile_s = engine.warmup(requests) if requests else 0.0
     bar = tqdm(total=len(requests), file=sys.stderr, unit="req", disable=None)
     ok, gen, fwd, acc, tried = 0, 0, 0, [0] * engine.spec.k, [0] * engine.spec.k
+    done = 0  # bar.n stays 0 while the bar is off
+    beat.set(lambda: f"{done}/{len(requests)} requests done, {gen} tokens generated")
     t0 = time.perf_counter()
     for res in engine.stream(requests) if requests else ():  # stream() would compile
         rec = {**record(ids[res.id], res, has_tokenizer), **(notes[res.id] if notes else {})}
@@ -334,6 +346,7 @@ def run(engine: Engine, requests: list, ids: list, emit, has_tokenizer: bool,
         bar.set_postfix_str(f"{gen / (time.perf_counter() - t0):.1f} tok/s, "
                             f"{gen / max(fwd, 1):.2f} tokens/forward", refresh=False)
         bar.update(1)
+        done += 1
     run_s = time.perf_counter() - t0
     bar.close()
     depth = " ".join(f"{a / max(t, 1):.3f}" for a, t in zip(acc, tried)) or "- (no drafts)"

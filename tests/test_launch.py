@@ -44,8 +44,9 @@ def test_colab_notebook_runs_end_to_end(tmp_path, monkeypatch):
     import nbformat
     from nbclient import NotebookClient
 
-    # The kernel inherits this environment: cheap CPU compiles, outputs into tmp_path.
-    for k, v in cpu_env(MTP_DEMO_OUT=str(tmp_path)).items():
+    # The kernel inherits this environment: cheap CPU compiles, outputs into tmp_path, the
+    # hub demo kept off the network (it skips itself, saying why).
+    for k, v in cpu_env(MTP_DEMO_OUT=str(tmp_path), HF_HUB_OFFLINE="1").items():
         monkeypatch.setenv(k, v)
     nb = nbformat.read(LAUNCH / "colab_demo.ipynb", as_version=4)
     assert 'REPO_URL = "' in nb.cells[1].source and "git" in nb.cells[1].source
@@ -54,6 +55,7 @@ def test_colab_notebook_runs_end_to_end(tmp_path, monkeypatch):
     text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
                      for o in c.outputs if o.output_type == "stream")
     assert f"repository {REPO}" in text
+    assert "hub demo skipped: " in text, text[-3000:]
     assert text.count("mean accepted length") >= 3, text[-3000:]
     assert any("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code"
                for o in c.outputs), "the plot was not displayed"
@@ -137,6 +139,19 @@ def test_tpu_vm_options_and_multi_host_slice():
 
 
 @needs_bash
+def test_tpu_vm_dry_run_hub_model_step():
+    """--hub-model adds one ssh step before the copy: plain then chain on the chat prompts,
+    int8, and the speed-up from the two summaries."""
+    cmds = dry_run("--hub-model", "XiaomiMiMo/MiMo-7B-RL@main")
+    assert len(cmds) == 7 and [c[4] for c in cmds if c[0] == "gcloud"][-2:] == ["ssh", "scp"]
+    hub = remote(cmds[4])
+    assert "for m in none chain; do ~/mtp_venv/bin/python -m mtp_jax.generate --model " \
+           "XiaomiMiMo/MiMo-7B-RL@main --quantize int8 --method $m --input " \
+           "launch/data/chat_prompts.jsonl --output results/hub_$m.jsonl" in hub, hub
+    assert "speed-up" in hub and (LAUNCH / "data" / "chat_prompts.jsonl").is_file()
+
+
+@needs_bash
 @pytest.mark.parametrize("args, message", [
     (["--bogus"], "unknown argument '--bogus'"),
     (["--zone"], "--zone needs a value"),
@@ -145,6 +160,7 @@ def test_tpu_vm_options_and_multi_host_slice():
     (["--accelerator-type", "v5e"], "--accelerator-type 'v5e'"),
     (["--limit", "0"], "--limit '0'"),
     (["--mesh", "tp2"], "--mesh 'tp2'"),
+    (["--hub-model", "just-a-name"], "--hub-model 'just-a-name'"),
 ])
 def test_tpu_vm_rejects_bad_arguments(args, message):
     proc = tpu_vm("--dry-run", "--repo", URL, *args)

@@ -10,10 +10,12 @@
   `with_draft_head`, `from_params`, `to_flat`).
 - tokenizer.py (tokenizer, eos ids) and kv_scales.py (fp8 KV scales): the files beside the
   weights.
+- hub.py: a Hugging Face Hub id `org/name[@revision]` to its snapshot in the hub cache.
 
-`load(path)` reads either kind of folder. `load(path, quantize="int8" | "fp8" |
-"fp8-block")` quantizes an unquantized checkpoint parameter by parameter as it loads;
-`save_hf` / `save_orbax` write a quantized model as it is held, so quantizing is done once.
+`load(path)` reads either kind of folder, or the snapshot of a hub id `org/name[@revision]`
+(hub.py). `load(path, quantize="int8" | "fp8" | "fp8-block")` quantizes an
+unquantized checkpoint parameter by parameter as it loads; `save_hf` / `save_orbax` write a
+quantized model as it is held, so quantizing is done once.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import jax
 
 from ..models import from_hf
 from .hf import hf_key_map, load_hf, save_hf
+from .hub import local_path
 from .orbax_io import ORBAX_MARKER, load_orbax, save_orbax
 from .params import (Model, abstract_model, from_params, quantize_model, to_flat,
                      with_draft_head, with_params)
@@ -39,7 +42,8 @@ def default_dtype(cfg_dtype) -> str:
 
 def load(path: str, *, dtype=None, shardings=None, quantize: Optional[str] = None,
          dequantize: Optional[bool] = None) -> Model:
-    """Load an HF-layout folder or an orbax folder written by `save_orbax`.
+    """Load an HF-layout folder, an orbax folder written by `save_orbax`, or a hub id
+    `org/name[@revision]` (its snapshot in the hub cache, fetched when missing: hub.py).
 
     dtype: the compute dtype (and that of unquantized parameters); default
     `default_dtype(checkpoint dtype)`. quantize: "int8", "fp8" or "fp8-block" quantizes
@@ -47,6 +51,7 @@ def load(path: str, *, dtype=None, shardings=None, quantize: Optional[str] = Non
     QuantizationError). dequantize: for a quantized checkpoint (DeepSeek's FP8, or a
     quantized save), True / False / None = by device (`keep_quantized`).
     """
+    path = local_path(str(path))
     if not os.path.isdir(path):
         raise CheckpointError(f"model path {path!r} is not a directory")
     if os.path.exists(os.path.join(path, ORBAX_MARKER)):
