@@ -25,6 +25,7 @@ on text the target did not write).
 Dataset lines are those of the generate CLI (`prompt` or `prompt_ids`, optional `id` and
 per-line sampling fields; an unknown key makes the line unrunnable); a line that cannot run is reported on stderr and left out of
 every method, so all methods see the same prompts.
+Text prompts are token-healed as in generate (`--no-token-healing`: off).
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ from .compile_cache import add_compile_cache_option
 from .config import (ConfigError, EngineConfig, SamplingParams, SpecConfig,
                      parse_num_speculative_tokens)
 from .cli import (Fatal, LineError, add_draft_options, add_healing_option,
-                  add_prefill_batch_option, add_quantize_option, add_verbose_option, apply_draft_options,
-                  build_request, check_keys, default_model_dir, load_error, read_lines)
+                  add_prefill_batch_option, add_quantize_option, add_verbose_option,
+                  apply_draft_options, build_request, check_keys, default_model_dir,
+                  load_error, read_lines)
 from .healing import Healer, heal_line
 from .metrics import repeated_ngrams
 from .quant import mode_of

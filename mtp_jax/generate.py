@@ -10,8 +10,10 @@ generation_config.json (its eos ids also end every request; `--generation-config
 ignores the file). Any other key makes the line an error record (`--lenient`: the line
 runs and its record gets a `warning` naming the keys). A `max_tokens` beyond what fits
 `--max-model-len` after the prompt is capped to what fits, and the record says so
-(`max_tokens_capped`). Each line gets exactly one output record, appended whole and
-flushed as soon as it is known: results in the order requests finish, error records
+(`max_tokens_capped`). A text prompt ending on a token the tokenizer would merge with what
+follows is token-healed (mtp_jax.healing; the record's `healed` holds the dropped token's
+text; `--no-token-healing` turns it off). Each line gets exactly one output record,
+appended whole and flushed as soon as it is known: results in the order requests finish, error records
 (`{"id": ..., "error": ...}`) as soon as a line is found unrunnable. A line without a
 usable id is called `line N` (1-based). A line whose id an earlier line has does not run:
 it gets an error record naming that line (`duplicate_of_line`). `--resume` skips every id

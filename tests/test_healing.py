@@ -4,6 +4,7 @@ CLI (on by default for text prompts, off with --no-token-healing, prompt_ids unt
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -138,15 +139,21 @@ def test_first_token_honours_the_mask_greedy_and_sampled(model):
 
 
 def test_every_method_equals_none_with_healing(model):
-    reqs = lambda: [Request(i, p, SamplingParams(max_tokens=10), constrained(model, p))  # noqa
+    """Rows 0 and 2 healed, row 1 not; also a prefill batch of all three rows."""
+    reqs = lambda: [Request(i, p, SamplingParams(max_tokens=10),  # noqa: E731
+                            constrained(model, p) if i != 1 else None)
                     for i, p in enumerate(PROMPTS)]
     want = [r.token_ids for r in engine(model, "none", 0).generate(reqs())]
     for method, k in METHODS[1:]:
         got = [r.token_ids for r in engine(model, method, k).generate(reqs())]
         assert got == want, (method, k)
+    batched = Engine(model, SpecConfig("chain", num_speculative_tokens=3),
+                     dataclasses.replace(ENGINE, prefill_batch=4))
+    assert [r.token_ids for r in batched.generate(reqs())] == want
     # sampled with coupled acceptance (adaptive K): the seed's output, as `none` gives it
-    hot = lambda: [Request(i, p, SamplingParams(max_tokens=10, temperature=0.8, seed=i),  # noqa
-                           constrained(model, p)) for i, p in enumerate(PROMPTS)]
+    hot = lambda: [Request(i, p, SamplingParams(  # noqa: E731
+        max_tokens=10, temperature=0.8, seed=i), constrained(model, p))
+        for i, p in enumerate(PROMPTS)]
     want = [r.token_ids for r in engine(model, "none", 0).generate(hot())]
     adaptive = Engine(model, SpecConfig("chain"), ENGINE)
     assert [r.token_ids for r in adaptive.generate(hot())] == want
