@@ -215,6 +215,14 @@ def add_verbose_option(p) -> None:
                         "first few and a count, the whole list in a file it names)")
 
 
+def add_healing_option(p) -> None:
+    p.add_argument("--no-token-healing", dest="token_healing", action="store_false",
+                   help="encode text prompts as they are: by default a prompt ending on a "
+                        "token that could merge with what follows (a bare newline before "
+                        "indentation) drops that token and the first generated token "
+                        "re-chooses it (mtp_jax.healing)")
+
+
 def add_quantize_option(p) -> None:
     p.add_argument("--quantize", choices=MODES,
                    help="quantize the weights as they load: int8 or fp8 per output channel, "

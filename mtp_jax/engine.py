@@ -160,18 +160,24 @@ class Engine:
         r = 1 << (len(batch) - 1).bit_length()
         slots = np.full((r,), self.config.max_batch, np.int32)
         prompt_len = np.zeros((r,), np.int32)
+        allowed = [None] * r  # the first token's ids of a healed prompt (healing.py)
         for i, a in enumerate(batch):
             slots[i], prompt_len[i] = a.slot, len(a.req.prompt_ids)
+            heal = getattr(a.req, "healing", None)
+            if heal is not None and a.origin is None:  # a continued one's first is out
+                allowed[i] = heal.allowed
         try:
             self.runner.admit([a.row for a in batch], self._padding)
-            self._prefill(slots, prompt_len, self.runner.sampled_variant(a.req for a in batch))
+            self._prefill(slots, prompt_len, self.runner.sampled_variant(a.req for a in batch),
+                          allowed)
         except Exception as e:
             self._refuse(batch, e, out)
             return
         self.sched.start(batch)
 
-    def _prefill(self, slots: np.ndarray, prompt_len: np.ndarray, sampled: bool = True):
-        self.runner.prefill(slots, prompt_len, sampled)
+    def _prefill(self, slots: np.ndarray, prompt_len: np.ndarray, sampled: bool = True,
+                 allowed: Optional[list] = None):
+        self.runner.prefill(slots, prompt_len, sampled, allowed)
 
     def _refuse(self, batch: list, e: Exception, out: list) -> None:
         """Free what failed admissions hold; each request gets an error result."""
@@ -311,7 +317,7 @@ class Engine:
                     except Exception as e:  # the tokenizer refuses e.g. lone surrogates
                         errors[i] = f"cannot tokenize the prompt: {e}"
             # run under the batch index, so equal ids never swap results
-            reqs.append(Request(i, ids, req.sampling))
+            reqs.append(Request(i, ids, req.sampling, req.healing))
         results = {i: error_result(reqs[i], msg) for i, msg in errors.items()}
         for res in self.stream([r for r in reqs if r.id not in errors]):
             results[res.id] = res

@@ -25,6 +25,7 @@ on text the target did not write).
 Dataset lines are those of the generate CLI (`prompt` or `prompt_ids`, optional `id` and
 per-line sampling fields; an unknown key makes the line unrunnable); a line that cannot run is reported on stderr and left out of
 every method, so all methods see the same prompts.
+Text prompts are token-healed as in generate (`--no-token-healing`: off).
 """
 
 from __future__ import annotations
@@ -46,9 +47,11 @@ from .checkpoint import CheckpointError, load
 from .compile_cache import add_compile_cache_option
 from .config import (ConfigError, EngineConfig, SamplingParams, SpecConfig,
                      parse_num_speculative_tokens)
-from .cli import (Fatal, LineError, add_draft_options, add_prefill_batch_option,
-                  add_quantize_option, add_verbose_option, apply_draft_options,
-                  build_request, check_keys, default_model_dir, load_error, read_lines)
+from .cli import (Fatal, LineError, add_draft_options, add_healing_option,
+                  add_prefill_batch_option, add_quantize_option, add_verbose_option,
+                  apply_draft_options, build_request, check_keys, default_model_dir,
+                  load_error, read_lines)
+from .healing import Healer, heal_line
 from .metrics import repeated_ngrams
 from .quant import mode_of
 from .strategies import STRATEGIES
@@ -87,9 +90,10 @@ def read_dataset(name: str):
 
 
 def build_prompts(entries, tokenizer, defaults: SamplingParams, limit: Optional[int] = None,
-                  chat=None):
-    """(ids, [(prompt ids, SamplingParams)], [(id, why skipped)]) for the first `limit`
-    runnable entries; `chat` renders `messages` entries (the checkpoint's chat template)."""
+                  chat=None, healer=None):
+    """(ids, [(prompt ids, SamplingParams, Healing or None)], [(id, why skipped)]) for the
+    first `limit` runnable entries; `chat` renders `messages` entries (the checkpoint's
+    chat template); `healer` (healing.Healer, None: off) heals text prompts."""
     ids, prompts, skipped = [], [], []
     for obj, rid in entries:
         if limit is not None and len(prompts) >= limit:
@@ -98,7 +102,9 @@ def build_prompts(entries, tokenizer, defaults: SamplingParams, limit: Optional[
             if isinstance(obj, LineError):
                 raise obj
             check_keys(obj)  # a misspelt field must not run with the default
-            prompts.append(build_request(obj, tokenizer, defaults, chat))
+            prompt, sp = build_request(obj, tokenizer, defaults, chat)
+            prompt, healing = heal_line(healer, obj, prompt)
+            prompts.append((prompt, sp, healing))
             ids.append(rid)
         except LineError as e:
             skipped.append((rid, str(e)))
@@ -419,6 +425,7 @@ def parse_args(argv):
                         "10%% is flagged noisy. Timings on a shared machine drift")
     p.add_argument("--output", help="write the JSON report here")
     p.add_argument("--plot", help="write a PNG plot here")
+    add_healing_option(p)
     add_quantize_option(p)
     add_draft_options(p)
     add_compile_cache_option(p)
@@ -452,7 +459,7 @@ def parse_args(argv):
 def _runnable(ids: list, prompts: list, vocab_size: int, max_len: Optional[int], log) -> list:
     """Indices of the prompts the engine can run (in-vocabulary, shorter than max_len)."""
     keep = []
-    for i, (rid, (p, _)) in enumerate(zip(ids, prompts)):
+    for i, (rid, (p, *_)) in enumerate(zip(ids, prompts)):
         bad = [t for t in p if not 0 <= t < vocab_size]
         if bad:
             log(f"skipping {rid}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
@@ -492,8 +499,10 @@ def evaluate(args, log) -> dict:
     if cfg.num_mtp_modules < 1:
         raise Fatal(f"{model_dir} has no MTP modules: there is nothing to evaluate")
     k = num_drafts(args, cfg)
+    heal = model.tokenizer is not None and args.token_healing and not args.teacher_forced
     ids, prompts, skipped = build_prompts(read_dataset(args.dataset), model.tokenizer,
-                                          args.defaults, args.limit, model.chat_template)
+                                          args.defaults, args.limit, model.chat_template,
+                                          Healer(model.tokenizer) if heal else None)
     for rid, why in skipped:
         log(f"skipping {rid}: {why}")
     cap = min(2048, cfg.max_position_embeddings)
@@ -501,7 +510,7 @@ def evaluate(args, log) -> dict:
         max_len = cap  # longer prompts are truncated, not skipped
     else:
         page = EngineConfig().page_size
-        need = max((len(p) + sp.max_tokens for p, sp in prompts), default=0) + k
+        need = max((len(p) + sp.max_tokens for p, sp, _ in prompts), default=0) + k
         max_len = args.max_model_len or min(cap, -(-need // page) * page)
         if max_len > cfg.max_position_embeddings:
             raise Fatal(f"--max-model-len {max_len} exceeds the model's "
@@ -527,16 +536,16 @@ def evaluate(args, log) -> dict:
                          "count": jax.device_count(), "jax": jax.__version__}}
     if args.teacher_forced:
         del report["config"]["methods"]
-        report["teacher_forced"] = teacher_forced(model, [p for p, _ in prompts], k,
+        report["teacher_forced"] = teacher_forced(model, [p for p, *_ in prompts], k,
                                                   args.max_batch, max_len, log)
         return report
     from .engine import Request
 
-    requests = [Request(i, p, sp) for i, (p, sp) in enumerate(prompts)]
+    requests = [Request(i, *p) for i, p in enumerate(prompts)]
     eng_cfg = EngineConfig(max_batch=args.max_batch, max_model_len=max_len,
                            prefill_chunk=min(256, max(16, 1 << (max_len - 1).bit_length())),
                            kv_dtype=args.kv_dtype, prefill_batch=args.prefill_batch)
-    greedy = all(sp.temperature == 0 for _, sp in prompts)
+    greedy = all(sp.temperature == 0 for _, sp, _ in prompts)
     report["methods"] = run_methods(model, requests, ids, args.methods, args.ks, eng_cfg,
                                     greedy, log, args.repeat)
     return report

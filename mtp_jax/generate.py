@@ -10,8 +10,10 @@ generation_config.json (its eos ids also end every request; `--generation-config
 ignores the file). Any other key makes the line an error record (`--lenient`: the line
 runs and its record gets a `warning` naming the keys). A `max_tokens` beyond what fits
 `--max-model-len` after the prompt is capped to what fits, and the record says so
-(`max_tokens_capped`). Each line gets exactly one output record, appended whole and
-flushed as soon as it is known: results in the order requests finish, error records
+(`max_tokens_capped`). A text prompt ending on a token the tokenizer would merge with what
+follows is token-healed (mtp_jax.healing; the record's `healed` holds the dropped token's
+text; `--no-token-healing` turns it off). Each line gets exactly one output record,
+appended whole and flushed as soon as it is known: results in the order requests finish, error records
 (`{"id": ..., "error": ...}`) as soon as a line is found unrunnable. A line without a
 usable id is called `line N` (1-based). A line whose id an earlier line has does not run:
 it gets an error record naming that line (`duplicate_of_line`). `--resume` skips every id
@@ -40,13 +42,15 @@ from . import compile_cache
 from .checkpoint import CheckpointError, load
 from .chat import ChatError, load_chat_template
 from .cli import (GENERATION_FIELDS, INT32_MAX, Fatal, LineError, add_draft_options,
-                  add_prefill_batch_option, add_quantize_option, add_verbose_option,
+                  add_healing_option, add_prefill_batch_option, add_quantize_option,
+                  add_verbose_option,
                   apply_draft_options, build_request, check_keys, default_model_dir,
                   load_error, read_lines, sampling_defaults)
 from .compile_cache import add_compile_cache_option
 from .config import (AUTO, METHODS, ConfigError, EngineConfig, SamplingParams, SpecConfig,
                      parse_num_speculative_tokens)
 from .engine import Engine, Request
+from .healing import Healer, heal_line
 from .progress import Heartbeat
 from .quant import mode_of
 from .sharding import make_mesh, param_sharding
@@ -94,6 +98,8 @@ def record(rid, res, has_tokenizer: bool) -> dict:
            "num_generated_tokens": res.num_generated_tokens,
            "mean_accepted_length": round(res.mean_accepted_length, 4),
            "acceptance_per_depth": [round(a, 4) for a in res.acceptance_per_depth]}
+    if res.healed is not None:  # token healing re-chose the prompt's last token's text
+        rec["healed"] = res.healed
     return {**rec, "error": res.error} if res.error else rec
 
 
@@ -135,6 +141,7 @@ def parse_args(argv):
     p.add_argument("--mesh", metavar="tp=N,dp=M,ep=E",
                    help="shard over devices: tensor parallel N, data parallel M, experts "
                         "over E (MoE models; default: one device)")
+    add_healing_option(p)
     add_quantize_option(p)
     add_draft_options(p)
     add_compile_cache_option(p)
@@ -269,12 +276,14 @@ def make_engine(args):
 
 
 def read_requests(data: bytes, skip: set, engine: Engine, defaults, emit,
-                  reported: frozenset = frozenset(), lenient: bool = False):
+                  reported: frozenset = frozenset(), lenient: bool = False,
+                  healer: Optional[Healer] = None):
     """(requests, their ids, the fields each one's record adds, lines in error, lines
     skipped): an error record is emitted for every line that cannot run (a repeated id
     included, unless its line is in `reported`; an unknown key unless `lenient`, which
     makes it a `warning` field); lines whose id is in `skip` are left out. A max_tokens
-    beyond what fits max_model_len is capped, and the record says so (`max_tokens_capped`)."""
+    beyond what fits max_model_len is capped, and the record says so (`max_tokens_capped`).
+    `healer`: heals text prompts (None: off)."""
     requests, ids, notes, bad, skipped = [], [], [], 0, 0
     first = {}  # id -> the line that has it first
     for obj, rid, n in read_lines(data, numbered=True):
@@ -297,8 +306,10 @@ def read_requests(data: bytes, skip: set, engine: Engine, defaults, emit,
             warning = check_keys(obj, lenient)
             if warning:
                 note["warning"] = warning
-            req = Request(len(ids), *build_request(obj, engine.model.tokenizer, defaults,
-                                                    engine.model.chat_template))
+            prompt, sp = build_request(obj, engine.model.tokenizer, defaults,
+                                       engine.model.chat_template)
+            prompt, healing = heal_line(healer, obj, prompt)
+            req = Request(len(ids), prompt, sp, healing)
             msg = engine.check(req)
             if msg:
                 raise LineError(msg)
@@ -406,8 +417,10 @@ def main(argv=None) -> int:
 
     try:
         ctrl_c.install()
+        healer = (Healer(model.tokenizer) if args.token_healing and model.tokenizer is not None
+                  else None)
         requests, ids, notes, bad, skipped = read_requests(
-            data, skip, engine, defaults, emit, frozenset(reported), args.lenient)
+            data, skip, engine, defaults, emit, frozenset(reported), args.lenient, healer)
         k = f"auto (0..{engine.spec.k})" if engine.spec.adaptive else engine.spec.k
         held = mode_of(model.params)
         weights = ", ".join(([f"{held} weights"] if held else [])

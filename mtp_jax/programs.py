@@ -78,6 +78,7 @@ class Runner:
         self.state = self.init_state()
         self.warm = False
         self.warm_variants: set = set()  # step-program variants warmed (sampled or not)
+        self._all_allowed: dict = {}  # rows -> all-true first-token mask (`all_allowed`)
 
     # ------------------------------------------------------------ prefill plan
     def bucket(self, n: int) -> int:
@@ -169,7 +170,7 @@ class Runner:
             if c == self.buckets()[-1]:
                 for sampled in variants:  # the first tokens: the steps' variants
                     out = prepare(self.progs.prefill_finish(sampled), p, st, slots, logits,
-                                  zero)
+                                  zero, self.all_allowed(r))
                     st = st if out is None else out
         self.state = st
         # admit a dummy request onto null pages with every KV write dropped (limit 0), run
@@ -258,12 +259,34 @@ class Runner:
         cols[-1] = cols[-1].reshape(-1)  # every row's pages, for zeroing
         self.state = self.progs.admit(self.state, *cols)
 
-    def prefill(self, slots: np.ndarray, prompt_len: np.ndarray, sampled: bool = True
-                ) -> None:
+    def all_allowed(self, rows: int):
+        """The first-token mask [rows, V] of rows without healing (all true), kept on the
+        device: a batch that heals nothing sends no mask."""
+        if rows not in self._all_allowed:
+            self._all_allowed[rows] = jnp.ones((rows, self.model.config.vocab_size), bool)
+        return self._all_allowed[rows]
+
+    def first_allowed(self, allowed: list):
+        """The first-token mask [r, V] of a prefill batch: per row None (any token) or the
+        ids its first token may take (healing.Healing.allowed; ids past the model's
+        vocabulary are dropped)."""
+        if all(a is None for a in allowed):
+            return self.all_allowed(len(allowed))
+        v = self.model.config.vocab_size
+        mask = np.ones((len(allowed), v), bool)
+        for i, ids in enumerate(allowed):
+            if ids is not None:
+                mask[i] = False
+                mask[i, ids[ids < v]] = True
+        return jnp.asarray(mask)
+
+    def prefill(self, slots: np.ndarray, prompt_len: np.ndarray, sampled: bool = True,
+                allowed: Optional[list] = None) -> None:
         """Prefill a batch of admitted requests together, a row each (slots [r], padding
         rows max_batch with prompt length 0): the target's chunks, each with the MTP
         history over its positions (`window`: the history's chunks after them), then each
-        row's first token and drafts (`sampled` False: every row is greedy)."""
+        row's first token and drafts (`sampled` False: every row is greedy; `allowed`: per
+        row None or the ids its first token may take, `first_allowed`)."""
         s, p = self.static, self.model.params
         st = self.state
         logits = jnp.zeros((len(slots), self.model.config.vocab_size), jnp.float32)
@@ -274,7 +297,8 @@ class Runner:
         if s.history_apart:
             for c, start, _ in self.chunks(history_end):
                 st = self.progs.prefill_mtp(c)(p, st, slots, start, history_end)
-        self.state = self.progs.prefill_finish(sampled)(p, st, slots, logits, prompt_len)
+        mask = self.first_allowed(allowed or [None] * len(slots))
+        self.state = self.progs.prefill_finish(sampled)(p, st, slots, logits, prompt_len, mask)
 
     def grow(self, mask, rows, limit, pages) -> None:
         self.state = self.progs.grow(self.state, mask, rows, limit, pages)

@@ -2,7 +2,9 @@
 
 `finished` turns a slot's counters and tokens after a dispatch into its request's
 `Result` once it is done (a finish reason from the device, or a stop string the host
-finds in the decoded text), joining the parts of a preempted request.
+finds in the decoded text), joining the parts of a preempted request. A healed request's
+text (healing.py) is the continuation of its original prompt, and so is the text its stop
+strings are looked for in.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .config import SamplingParams
+from .healing import Healing, strip_healed
 
 
 @dataclasses.dataclass
@@ -20,6 +23,9 @@ class Request:
     id: Any
     prompt_ids: list
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    # token healing (healing.Healer.heal): the prompt's last token was dropped and the
+    # first generated token is one of `healing.allowed`
+    healing: Optional[Healing] = None
 
 
 @dataclasses.dataclass
@@ -27,12 +33,13 @@ class Result:
     id: Any
     token_ids: list
     finish_reason: str  # stop | length | error
-    num_prompt_tokens: int
+    num_prompt_tokens: int  # of the prompt as given (a healed one's dropped token included)
     text: Optional[str] = None
     error: Optional[str] = None
     num_steps: int = 0  # target forwards after prefill
     accepted_per_depth: list = dataclasses.field(default_factory=list)  # counts
     drafted_per_depth: list = dataclasses.field(default_factory=list)  # steps verifying one
+    healed: Optional[str] = None  # the text of the prompt's last token, when healing re-chose it
 
     @property
     def num_generated_tokens(self) -> int:
@@ -57,8 +64,9 @@ class Result:
 
 def error_result(req, msg: str) -> Result:
     """The Result of a request that could not run."""
-    return Result(req.id, [], "error", len(req.prompt_ids) if isinstance(
-        req.prompt_ids, (list, tuple, np.ndarray)) else 0, error=msg)
+    n = len(req.prompt_ids) + (getattr(req, "healing", None) is not None) if isinstance(
+        req.prompt_ids, (list, tuple, np.ndarray)) else 0
+    return Result(req.id, [], "error", n, error=msg)
 
 
 def finished(live, k: int, tokens: list, reason: Optional[str], steps, accepted, drafted,
@@ -69,34 +77,37 @@ def finished(live, k: int, tokens: list, reason: Optional[str], steps, accepted,
     before = live.before(k)
     toks = before.tokens + tokens
     text = err = None
-    found = match_stop_string(tokenizer, toks, live.stop_strings) if live.stop_strings \
-        else None
+    heal = getattr(before.req, "healing", None)
+    found = match_stop_string(tokenizer, toks, live.stop_strings, heal) \
+        if live.stop_strings else None
     if found is not None:
         toks, text, reason = found[0], found[1], "stop"
     elif reason is None:
         return None  # still running, no stop string yet
     if reason == "error":
         err = "non-finite (NaN or Inf) logits: the request was stopped"
-    res = Result(before.req.id, toks, reason, len(before.req.prompt_ids), text=text,
-                 error=err, num_steps=before.steps + int(steps),
+    res = Result(before.req.id, toks, reason, len(before.req.prompt_ids) + (heal is not None),
+                 text=text, error=err, num_steps=before.steps + int(steps),
+                 healed=None if heal is None else heal.text,
                  accepted_per_depth=[a + int(x) for a, x in zip(before.accepted, accepted)],
                  drafted_per_depth=[a + int(x) for a, x in zip(before.drafted, drafted)])
     if res.text is None and tokenizer is not None:
-        res.text = tokenizer.decode(toks)
+        res.text = strip_healed(tokenizer.decode(toks), heal)
     return res
 
 
-def match_stop_string(tokenizer, toks, stops):
-    """(tokens up to and including the one completing the stop string, text before it)."""
+def match_stop_string(tokenizer, toks, stops, healing: Optional[Healing] = None):
+    """(tokens up to and including the one completing the stop string, text before it).
+    `healing`: the text searched starts after the healed prompt token's text."""
     if tokenizer is None:
         return None
-    text = tokenizer.decode(toks)
+    text = strip_healed(tokenizer.decode(toks), healing)
     hits = [text.find(s) for s in stops if s in text]
     if not hits:
         return None
     pos = min(hits)
     for j in range(1, len(toks) + 1):  # shortest prefix whose text holds a stop string
-        prefix = tokenizer.decode(toks[:j])
+        prefix = strip_healed(tokenizer.decode(toks[:j]), healing)
         if any(s in prefix for s in stops):
             return toks[:j], text[:pos]
     return toks, text[:pos]

@@ -447,9 +447,11 @@ def prefill_mtp(model, s: Static, st: DecodeState, slots, start, history_end, ch
     return st.replace(caches=tuple(kv.caches))
 
 
-def prefill_finish(model, s: Static, st: DecodeState, slots, logits, prompt_len):
-    """Per row of a prefill batch: sample the first token; draft from the window of
-    positions a-K..a (a = P - 1). Padding rows (slot max_batch) change nothing.
+def prefill_finish(model, s: Static, st: DecodeState, slots, logits, prompt_len, allowed):
+    """Per row of a prefill batch: sample the first token among the row's `allowed` ones
+    ([r, V] bool; all true but for a healed prompt, healing.py: the other logits are -inf
+    for this one draw, greedy and sampled alike, with the usual key); draft from the window
+    of positions a-K..a (a = P - 1). Padding rows (slot max_batch) change nothing.
     `s.sampled` False: every row is greedy, so argmax tokens and no draft log-probs, as in
     the greedy step programs."""
     k, o = s.k, s.offset
@@ -457,7 +459,8 @@ def prefill_finish(model, s: Static, st: DecodeState, slots, logits, prompt_len)
     put = lambda x, v: x.at[slots].set(v, mode="drop")  # noqa: E731
     sp = jax.tree_util.tree_map(at, st.sampling)
     keys = row_keys(sp.seed, prompt_len[:, None], SALT_TARGET)[:, 0]
-    first, _ = sample(logits, sp.temperature, sp.top_k, sp.top_p, keys, sampled=s.sampled)
+    first, _ = sample(jnp.where(allowed, logits, -jnp.inf), sp.temperature, sp.top_k,
+                      sp.top_p, keys, sampled=s.sampled)
     bad = ~jnp.all(jnp.isfinite(logits), axis=-1) | (at(st.finish) == FINISH_ERROR)
     length = prompt_len + 1
     stop = jnp.any(at(st.stop_ids) == first[:, None], axis=-1)
@@ -729,9 +732,10 @@ class Programs:
         batches whose rows are all greedy, as for `steps`."""
         static = self._variant(sampled)
 
-        def f(params, st, slots, logits, prompt_len):
-            return prefill_finish(self._merge(params), static, st, slots, logits, prompt_len)
-        return self._jit(f, 3, name="prefill_finish" + ("" if sampled else "_greedy"))
+        def f(params, st, slots, logits, prompt_len, allowed):
+            return prefill_finish(self._merge(params), static, st, slots, logits, prompt_len,
+                                  allowed)
+        return self._jit(f, 4, name="prefill_finish" + ("" if sampled else "_greedy"))
 
 
 def programs(static: Static, graphdef, state_sharding=None, params_sharding=None) -> Programs:

@@ -317,3 +317,27 @@ def test_dataset_reads_humaneval_as_published(tmp_path):
     (tmp_path / "bad.gz").write_bytes(b"\x1f\x8b" + b"\x00" * 8)
     with pytest.raises(Fatal, match="cannot read dataset"):
         read_dataset(str(tmp_path / "bad.gz"))
+
+
+def test_build_prompts_heals_text_prompts_only():
+    """With a healer a text prompt ending on a token others extend drops it and carries
+    its Healing; token-id prompts and prompts with nothing to heal keep every token.
+    `--no-token-healing` turns it off."""
+    from mtp_jax.config import SamplingParams
+    from mtp_jax.evaluate import build_prompts, parse_args
+    from mtp_jax.healing import Healer
+
+    tok = make_tokenizer()
+    heals = {"id": "a", "prompt": "speculative decoding dra"}  # ends on 'a': 'an', 'ax', ...
+    ids = tok.encode(heals["prompt"]).ids
+    entries = [(heals, "a"), ({"id": "b", "prompt_ids": ids}, "b"),
+               ({"id": "c", "prompt": "the lazy dog"}, "c")]
+    _, prompts, _ = build_prompts(entries, tok, SamplingParams(), healer=Healer(tok))
+    (pa, _, ha), (pb, _, hb), (pc, _, hc) = prompts
+    assert pa == ids[:-1] and ha.text == "a" and len(ha.allowed) > 1
+    assert pb == ids and hb is None and hc is None
+    assert pc == tok.encode("the lazy dog").ids
+    _, plain, _ = build_prompts(entries, tok, SamplingParams())
+    assert plain[0][0] == ids and plain[0][2] is None
+    assert parse_args(["--dataset", "x"]).token_healing
+    assert not parse_args(["--dataset", "x", "--no-token-healing"]).token_healing

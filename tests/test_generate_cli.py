@@ -248,6 +248,8 @@ def test_record_fields():
         "num_prompt_tokens": 2, "num_generated_tokens": 3, "mean_accepted_length": 1.5,
         "acceptance_per_depth": [1.0, 0.0]}
     assert "text" not in record("x", res, False)
+    healed = Result("h", [4], "length", 3, text="x", healed="\n")  # token healing re-chose
+    assert record("h", healed, True)["healed"] == "\n"
     nan = Result("y", [4], "error", 2, error="non-finite logits", num_steps=0)
     assert record("y", nan, False)["error"] == "non-finite logits"
     assert record("z", Result("z", [], "error", 2, error="bad"), False) == {
