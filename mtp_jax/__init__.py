@@ -23,6 +23,6 @@ __all__ = ["load", "quantize_model", "QuantizationError", "Model", "ModelConfig"
 
 def __getattr__(name):
     if name not in _LAZY:
-        raise AttributeError(name)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import importlib
     return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
