@@ -147,7 +147,7 @@ def test_cli_chat_and_generation_config(chat_ckpt, tmp_path):
 
 
 def test_load_exposes_chat_and_generation_and_orbax_keeps_them(chat_ckpt, tmp_path):
-    from mtp_jax import load, save_orbax
+    from mtp_jax import load, save_hf, save_orbax
 
     path, want = chat_ckpt
     model = load(str(path))
@@ -155,7 +155,10 @@ def test_load_exposes_chat_and_generation_and_orbax_keeps_them(chat_ckpt, tmp_pa
     assert model.stop_token_ids == (want[2],)
     assert model.chat_template.render(CHAT).startswith("onethe quick")
     save_orbax(model, str(tmp_path / "o"))
-    again = load(str(tmp_path / "o"))
-    assert again.generation_defaults == model.generation_defaults
-    assert again.stop_token_ids == model.stop_token_ids
-    assert again.chat_template.source == TEMPLATE
+    save_hf(model, str(tmp_path / "h"))
+    (tmp_path / "h" / "tokenizer.json").write_bytes((path / "tokenizer.json").read_bytes())
+    for folder in ("o", "h"):
+        again = load(str(tmp_path / folder))
+        assert again.generation_defaults == model.generation_defaults, folder
+        assert again.stop_token_ids == model.stop_token_ids, folder
+        assert again.chat_template.source == TEMPLATE, folder

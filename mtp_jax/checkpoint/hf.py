@@ -39,7 +39,8 @@ from .params import Model, abstract_model, from_params, refuse_run_time_options,
 from .placement import place, place_quantized
 from .safetensors_io import (FLOAT_CODES, CheckpointError, hf_files, listed, problems_error,
                              read_safetensors_header, read_tensor, write_safetensors)
-from .tokenizer import eos_ids, load_chat, load_generation_config, load_tokenizer
+from .tokenizer import (copy_side_files, eos_ids, load_chat, load_generation_config,
+                        load_tokenizer)
 
 
 def hf_key_map(cfg: ModelConfig) -> list[Entry]:
@@ -173,7 +174,8 @@ def canonical_names(aliases: tuple, found: dict) -> dict:
 
 def save_hf(model: Model, path: str, *, dtype=None, max_shard_bytes: Optional[int] = None,
             extra_config: Optional[dict] = None) -> None:
-    """Export in the HF layout of `model.config.layout` (sharded if max_shard_bytes is set)."""
+    """Export in the HF layout of `model.config.layout` (sharded if max_shard_bytes is set),
+    with the chat template and generation config files of the folder the model came from."""
     refuse_run_time_options(model)
     os.makedirs(path, exist_ok=True)
     cfg = model.config
@@ -208,6 +210,7 @@ def save_hf(model: Model, path: str, *, dtype=None, max_shard_bytes: Optional[in
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
     save_kv_scales(model, path)
+    copy_side_files(model.path, path)  # chat template, generation config, tokenizer config
     if not max_shard_bytes:
         write_safetensors(os.path.join(path, "model.safetensors"), tensors)
         return
