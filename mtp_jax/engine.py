@@ -163,7 +163,7 @@ class Engine:
         allowed = [None] * r  # the first token's ids of a healed prompt (healing.py)
         for i, a in enumerate(batch):
             slots[i], prompt_len[i] = a.slot, len(a.req.prompt_ids)
-            heal = getattr(a.req, "healing", None)
+            heal = a.req.healing
             if heal is not None and a.origin is None:  # a continued one's first is out
                 allowed[i] = heal.allowed
         try:

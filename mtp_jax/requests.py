@@ -77,7 +77,7 @@ def finished(live, k: int, tokens: list, reason: Optional[str], steps, accepted,
     before = live.before(k)
     toks = before.tokens + tokens
     text = err = None
-    heal = getattr(before.req, "healing", None)
+    heal = before.req.healing
     found = match_stop_string(tokenizer, toks, live.stop_strings, heal) \
         if live.stop_strings else None
     if found is not None:

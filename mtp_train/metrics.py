@@ -15,7 +15,7 @@ from mtp_jax.calibration import calibrate_kv_scales, fp8_kv_attend
 from mtp_jax.checkpoint import load
 from mtp_jax.config import SamplingParams, SpecConfig
 from mtp_jax.engine import Engine, Request
-from mtp_jax.metrics import repeated_ngrams  # noqa: F401 (this module's users read it here)
+from mtp_jax.metrics import repeated_ngrams
 from mtp_jax.mtp import forward_train
 from mtp_jax.qarray import is_quantized
 

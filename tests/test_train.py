@@ -149,7 +149,9 @@ def test_package_corpus_keeps_permissive_dedups_and_holds_out_whole_packages(tmp
 
 
 def test_repeated_ngrams_counts_tokens_a_copy_would_predict():
-    assert metrics.repeated_ngrams([1, 2, 3, 4], [1, 2, 3, 4]) == 1  # only the last closes a seen 4-gram
-    assert metrics.repeated_ngrams([1, 2, 3], [4, 1, 2, 3, 4]) == 1  # the output's own 4-grams count
-    assert metrics.repeated_ngrams([], [5] * 6) == 2
-    assert metrics.repeated_ngrams([7, 8, 9, 10], [11, 12]) == 0
+    from mtp_jax.metrics import repeated_ngrams  # the runtime's, which train's metrics use
+
+    assert repeated_ngrams([1, 2, 3, 4], [1, 2, 3, 4]) == 1  # only the last closes a seen 4-gram
+    assert repeated_ngrams([1, 2, 3], [4, 1, 2, 3, 4]) == 1  # the output's own 4-grams count
+    assert repeated_ngrams([], [5] * 6) == 2
+    assert repeated_ngrams([7, 8, 9, 10], [11, 12]) == 0

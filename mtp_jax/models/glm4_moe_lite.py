@@ -5,8 +5,8 @@ dims, full rotary), `first_k_dense_replace` dense layers.
 Configs come as published (DeepSeek-V3 keys) or as transformers >= 5 saves them: the dense
 layers as `mlp_layer_types` ("dense" / "sparse" per target layer, dense ones first),
 `qk_head_dim` (nope + rope: checked with every MLA family's, fields.parse_mla),
-`rope_parameters`. The MTP layer is GLM's: its own embed_tokens / shared_head.head where the checkpoint has them, else the
-target's (`Glm4Moe.fit_to_checkpoint`).
+`rope_parameters`. The MTP layer is GLM's: its own embed_tokens / shared_head.head where
+the checkpoint has them, else the target's (`Glm4Moe.fit_to_checkpoint`).
 """
 
 from __future__ import annotations
