@@ -40,8 +40,9 @@ class ConfigError(ValueError):
 LAYOUT_FEATURES: dict[str, frozenset] = {}
 
 
-def register_layout(name: str, *, moe: bool, mla: bool) -> None:
-    LAYOUT_FEATURES[name] = frozenset(f for f, on in (("moe", moe), ("mla", mla)) if on)
+def register_layout(name: str, *, moe: bool, mla: bool, gdn: bool = False) -> None:
+    LAYOUT_FEATURES[name] = frozenset(f for f, on in (("moe", moe), ("mla", mla), ("gdn", gdn))
+                                      if on)
 
 
 def _layouts_with(feature: str) -> tuple:
@@ -104,6 +105,9 @@ class MoEConfig:
     first_dense: int = 0
     layer_freq: int = 1
     shared_intermediate_size: Optional[int] = None  # None: num_shared * intermediate_size
+    # the shared expert's output scaled by sigmoid(x . w) per token (Qwen3-Next / Qwen3.5's
+    # `shared_expert_gate`)
+    shared_gate: bool = False
     layers: tuple = ()  # explicit MoE flag per layer (target + MTP), overrides the pattern
     # clamped SwiGLU (Step-3.5): min(silu(gate), L) * clip(up, -L, L); set per layer by
     # specs.layer_spec from ModelConfig.swiglu_limits / swiglu_limits_shared
@@ -187,6 +191,50 @@ class MLAConfig:
         return self.kv_lora_rank + self.qk_rope_dim
 
 
+@dataclasses.dataclass(frozen=True)
+class GDNConfig:
+    """Gated DeltaNet, the linear attention of Qwen3-Next / Qwen3.5 (`linear_*` keys).
+
+    Per token: in_proj gives q, k [num_k_heads, k_head_dim], v and the output gate z
+    [num_v_heads, v_head_dim], and per value head b, a; q, k, v go through a causal
+    depthwise conv of `conv_kernel` taps (silu), then the gated delta rule updates a
+    per-request state S [num_v_heads, k_head_dim, v_head_dim] (f32):
+    S = exp(g) S + k (beta (v - S^T k))^T with beta = sigmoid(b), g = -exp(A_log) *
+    softplus(a + dt_bias), q and k L2-normalised; out = S^T q / sqrt(k_head_dim), then a
+    gated RMSNorm (norm(out) * w * silu(z)) and out_proj. Value head h reads key head
+    h // (num_v_heads // num_k_heads).
+    """
+
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int = 4
+
+    def __post_init__(self):
+        for name in ("num_k_heads", "num_v_heads", "k_head_dim", "v_head_dim", "conv_kernel"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ConfigError(f"linear attention {name} must be a positive integer, got "
+                                  f"{val!r}")
+        if self.num_v_heads % self.num_k_heads:
+            raise ConfigError(f"linear_num_value_heads={self.num_v_heads} is not a multiple of "
+                              f"linear_num_key_heads={self.num_k_heads}")
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: q, k and v of every head."""
+        return 2 * self.key_dim + self.value_dim
+
+
 # Weight quantization modes (quant.py): per-channel int8 / fp8, 128 x 128-block fp8.
 QUANT_MODES = ("int8", "fp8", "fp8-block")
 
@@ -228,7 +276,9 @@ class ModelConfig:
     v_head_dim: Optional[int] = None  # value head dim when it differs from head_dim
     attention_value_scale: float = 1.0  # values are v_proj(x) * this (MiMo-V2)
     query_pre_attn_scalar: Optional[float] = None  # softmax scale is this ** -0.5
-    attention_gate: Optional[str] = None  # "head": sigmoid(x W_g) per query head (Step-3.5)
+    # "head": sigmoid(x W_g) per query head (Step-3.5); "element": per output element, the
+    # gate emitted by q_proj beside each head's query (Qwen3-Next / Qwen3.5)
+    attention_gate: Optional[str] = None
     # --- per-layer facts over target + MTP layers (empty: the uniform value above) ---
     layer_num_heads: tuple = ()
     layer_num_kv_heads: tuple = ()
@@ -253,6 +303,10 @@ class ModelConfig:
     draft_head: Optional[str] = None  # the draft's quantized head copy (checkpoint.with_draft_head)
     moe: Optional[MoEConfig] = None  # routed experts (None: every FFN dense)
     mla: Optional[MLAConfig] = None  # latent attention (None: GQA)
+    gdn: Optional[GDNConfig] = None  # the linear-attention layers' dims (Gated DeltaNet)
+    # per target + MTP layer: True where the layer is Gated DeltaNet linear attention
+    # (empty: none is)
+    linear_layers: tuple = ()
     quantization: Optional[WeightQuant] = None  # how the checkpoint's weights are stored
     dtype: str = "bfloat16"  # checkpoint dtype (HF torch_dtype)
 
@@ -329,9 +383,33 @@ class ModelConfig:
         if self.v_head_dim not in (None, self.head_dim) and self.attention_bias:
             raise ConfigError("attention_bias with a v_head_dim apart from head_dim is not "
                               "implemented")
-        if self.attention_gate not in (None, "head"):
+        if self.attention_gate not in (None, "head", "element"):
             raise ConfigError(f"attention_gate={self.attention_gate!r}: only the head-wise "
-                              "gate (one sigmoid per query head) is implemented")
+                              "gate (one sigmoid per query head) and the element-wise one "
+                              "(q_proj emits the gate) are implemented")
+        if self.attention_gate == "element" and self.attention_bias:
+            raise ConfigError("attention_bias with the element-wise output gate is not "
+                              "implemented")
+        linear = tuple(bool(x) for x in self.linear_layers)
+        object.__setattr__(self, "linear_layers", linear if any(linear) else ())
+        if self.linear_layers:
+            if len(self.linear_layers) != total:
+                raise ConfigError(f"linear_layers has {len(self.linear_layers)} entries, "
+                                  f"expected {total} (target + MTP layers)")
+            if self.gdn is None:
+                raise ConfigError("linear-attention layers need the linear_* dims (GDNConfig)")
+            if "gdn" not in features:
+                raise ConfigError(f"Gated DeltaNet layers are implemented for the "
+                                  f"{_layouts_with('gdn')} layouts, not {self.layout}")
+            if any(self.linear_layers[self.num_layers:]):
+                raise ConfigError("MTP layers are full attention in every published model; a "
+                                  "linear-attention MTP layer is not implemented")
+            if all(self.linear_layers[: self.num_layers]):
+                raise ConfigError("every target layer is linear attention: the engine needs "
+                                  "at least one full-attention layer (its paged KV pages)")
+            if self.mla is not None or any(w is not None for w in self.sliding_windows):
+                raise ConfigError("linear-attention layers with MLA or sliding windows are not "
+                                  "implemented")
         if self.mla is not None and (self.v_head_dim is not None or any(self.layer_sinks)
                                      or self.attention_gate):
             raise ConfigError("sinks, gates and a separate v_head_dim are GQA features; "
@@ -346,6 +424,15 @@ class ModelConfig:
         if self.mla is not None:
             return self.mla.qk_rope_dim
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether layer (target, then MTP) is a Gated DeltaNet linear-attention layer."""
+        return bool(self.linear_layers) and self.linear_layers[layer]
+
+    @property
+    def attention_layers(self) -> tuple:
+        """The layers (target, then MTP) with a KV cache: all but the linear ones."""
+        return tuple(i for i in range(self.num_layers_total) if not self.is_linear(i))
 
     def heads_of(self, layer: int) -> tuple[int, int]:
         """(query heads, kv heads) of a layer (target layers, then MTP layers)."""
@@ -379,7 +466,12 @@ class ModelConfig:
     def block_params(self, layer: int) -> int:
         d, hd = self.hidden_size, self.head_dim
         n, kv = self.heads_of(layer)
-        if self.mla is not None:
+        if self.is_linear(layer):
+            g = self.gdn
+            h = g.num_v_heads
+            attn = d * (g.conv_dim + g.value_dim + 2 * h) + g.conv_kernel * g.conv_dim
+            attn += 2 * h + g.v_head_dim + g.value_dim * d
+        elif self.mla is not None:
             m = self.mla
             q = d * n * hd if m.q_lora_rank is None else (
                 d * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * n * hd)
@@ -390,12 +482,12 @@ class ModelConfig:
             attn = d * ((n + kv) * hd + kv * vd) + n * vd * d
             attn += (n + 2 * kv) * hd if self.attention_bias else 0
             attn += 2 * hd if self.qk_norm else 0
-            attn += d * n if self.attention_gate else 0
+            attn += {None: 0, "head": d * n, "element": d * n * hd}[self.attention_gate]
             attn += n if at_layer(self.layer_sinks, layer, False) else 0
         moe = self.moe
         if moe is not None and moe.is_moe_layer(layer):
             ffn = moe.num_experts * (3 * d * moe.intermediate_size + 1) + d * moe.num_experts
-            ffn += 3 * d * moe.shared_size
+            ffn += 3 * d * moe.shared_size + (d if moe.shared_gate else 0)
         else:
             ffn = 3 * d * self.intermediate_size
         return attn + ffn + 2 * d

@@ -39,6 +39,7 @@ from pallas_kernels.common import resolve_backend
 from pallas_kernels.paged_attention import paged_attention
 
 from .config import ConfigError, EngineConfig, ModelConfig
+from .delta_rule import mix_tokens, state_shapes
 from .model import cache_entry
 from .pages import PageAllocator  # noqa: F401  (host-side, jax-free; re-exported)
 from .quant import FP8_KV_DTYPE, latent_row_scale
@@ -67,6 +68,14 @@ class KVLayout:
     # times its head's scale is the key / value (calibration.calibrate_kv_scales). A latent
     # layer: ((latent scale, rope scale), ()), for the row's two parts
     scales: Optional[tuple] = None
+    # per layer: None, or for a linear-attention layer its spec (specs.GDNSpec): it holds
+    # no pages but a conv and a recurrent state per slot (delta_rule.py); empty: none is
+    linear: tuple = ()
+    slots: int = 0  # requests the per-slot states are sized for (max_batch)
+    state_dtype: str = "float32"  # the conv states' dtype (the model's)
+
+    def is_linear(self, layer: int) -> bool:
+        return bool(self.linear) and self.linear[layer] is not None
 
     @property
     def arrays_per_layer(self) -> int:
@@ -79,11 +88,14 @@ class KVLayout:
     @property
     def head_dim(self) -> int:
         """Key dims per cached token (a latent row's width for MLA); the same in every
-        layer of the models we load."""
-        return self.layer_dims[0][1]
+        attention layer of the models we load."""
+        return next(d for i, (_, d, _) in enumerate(self.layer_dims) if not self.is_linear(i))
 
     def page_shapes(self, layer: int) -> tuple:
-        """Shapes of the cache arrays of one layer: (k, v), or (kv,) when latent."""
+        """Shapes of the cache arrays of one layer: (k, v), or (kv,) when latent; a
+        linear-attention layer's (conv, recurrent) states [slots, ...] instead."""
+        if self.is_linear(layer):
+            return tuple((self.slots,) + x for x in state_shapes(self.linear[layer]))
         heads, dims, v_dims = self.layer_dims[layer]
         pages = self.groups[self.layer_group[layer]].num_pages
         k = (heads, pages, self.page_size, dims)
@@ -116,6 +128,7 @@ def make_layout(cfg: ModelConfig, eng: EngineConfig, k: int, dtype, *,
     float8_e4m3fn pages instead, with `scales` per layer (required then).
     """
     n_mtp = cfg.num_mtp_modules if mtp_layers is None else mtp_layers
+    model_dtype = dtype
     if eng.kv_dtype == "fp8":
         if scales is None:
             raise ValueError("an fp8 KV layout needs per-layer scales")
@@ -128,9 +141,14 @@ def make_layout(cfg: ModelConfig, eng: EngineConfig, k: int, dtype, *,
     kind_index = {None: 0, **{w: i + 1 for i, w in enumerate(kinds)}}
     ps = eng.page_size
     width = math.ceil((eng.max_model_len + k + eng.prefill_chunk) / ps) + 1
-    entries = [cache_entry(cfg, i) for i in range(len(windows))]
-    latent = entries[0][3]
+    n_layers = len(windows)
+    # a linear-attention layer holds no pages (dims 0: no bytes in its group's pages)
+    entries = [(0, 0, 0, False) if cfg.is_linear(i) else cache_entry(cfg, i)
+               for i in range(n_layers)]
+    latent = any(e[3] for e in entries)
     layer_dims = tuple(e[:3] for e in entries)
+    linear = tuple(cfg.layer_spec(i).attention if cfg.is_linear(i) else None
+                   for i in range(n_layers))
     groups = []
     for w in [None] + kinds:
         group_bytes = page_bytes(layer_dims, [x == w for x in windows], ps, dtype)
@@ -151,7 +169,8 @@ def make_layout(cfg: ModelConfig, eng: EngineConfig, k: int, dtype, *,
     return KVLayout(page_size=ps, width=width, groups=tuple(groups),
                     layer_group=tuple(kind_index[w] for w in windows),
                     layer_dims=layer_dims, dtype=jnp.dtype(dtype).name, latent=latent,
-                    scales=scales)
+                    scales=scales, linear=linear if any(x is not None for x in linear) else (),
+                    slots=eng.max_batch, state_dtype=jnp.dtype(model_dtype).name)
 
 
 def check_kernels(layout: KVLayout, eng: EngineConfig, cfg: ModelConfig) -> None:
@@ -176,9 +195,14 @@ def check_kernels(layout: KVLayout, eng: EngineConfig, cfg: ModelConfig) -> None
 
 
 def init_caches(layout: KVLayout):
-    """Zeroed pages for every layer: (k, v), or (kv,) for a latent layout."""
-    return tuple(tuple(jnp.zeros(shape, layout.dtype) for shape in layout.page_shapes(i))
-                 for i in range(layout.num_layers))
+    """Zeroed pages for every layer: (k, v), or (kv,) for a latent layout; a
+    linear-attention layer's zeroed states (conv in the model dtype, recurrent in f32)."""
+    def layer(i):
+        shapes = layout.page_shapes(i)
+        if layout.is_linear(i):
+            return (jnp.zeros(shapes[0], layout.state_dtype), jnp.zeros(shapes[1], jnp.float32))
+        return tuple(jnp.zeros(shape, layout.dtype) for shape in shapes)
+    return tuple(layer(i) for i in range(layout.num_layers))
 
 
 class PagedKV:
@@ -195,12 +219,19 @@ class PagedKV:
     """
 
     def __init__(self, layout: KVLayout, caches, block_tables, limit, *, backend=None,
-                 mesh=None, batch_sharded=True):
+                 mesh=None, batch_sharded=True, state_rows=None, fresh=None,
+                 keep_states=False):
         self.layout, self.caches = layout, list(caches)
         self.block_tables, self.limit, self.backend = block_tables, limit, backend
         self.mesh = mesh
         rows = block_tables[0].shape[0]
         self.dp = batch_axis(mesh, rows) if batch_sharded else None
+        # linear-attention states: row r reads and writes slot state_rows[r] (None: row r
+        # is slot r; a row of slot max_batch writes nothing), from zeros where fresh[r]
+        # (a prompt's first chunk); with keep_states the states after every token of the
+        # forward are held in `pending` until `commit_states` picks one per row
+        self.state_rows, self.fresh, self.keep_states = state_rows, fresh, keep_states
+        self.pending: dict = {}
 
     def _scales(self, layer):
         """(k scale [H], v scale [H]) f32 of an fp8 layer, ((latent, rope) [2],) of an
@@ -270,20 +301,76 @@ class PagedKV:
         return fn(q, *pages, table, kv_lens, *extra)
 
     def attend(self, positions, kv_lens):
-        slots = [slot_mapping(bt, positions, self.layout.page_size, self.limit)
-                 for bt in self.block_tables]
+        return _Attend(self, positions, kv_lens)
 
-        def attend(layer, q, k, v, window, *, sm_scale=None, v_dim=None, sinks=None):
-            g = self.layout.layer_group[layer]
-            if (v is None) != self.layout.latent:
-                raise ValueError("latent attention needs a latent KV layout, and only it")
-            scales = self._scales(layer)
-            pages = self._write(self.caches[layer], k, v, slots[g], scales, v_dim)
-            self.caches[layer] = pages
-            return self._attend(q, pages, self.block_tables[g], kv_lens, window, sm_scale,
-                                v_dim, sinks, scales)
+    def _states(self, layer):
+        """(conv, recurrent) states of this forward's rows for a linear-attention layer."""
+        conv, rec = self.caches[layer]
+        if self.state_rows is not None:
+            conv = conv.at[self.state_rows].get(mode="clip")
+            rec = rec.at[self.state_rows].get(mode="clip")
+        if self.fresh is not None:
+            conv = jnp.where(self.fresh[:, None, None], jnp.zeros_like(conv), conv)
+            rec = jnp.where(self.fresh[:, None, None, None], jnp.zeros_like(rec), rec)
+        return conv, rec
 
-        return attend
+    def _put_states(self, layer, conv, rec):
+        old_conv, old_rec = self.caches[layer]
+        conv = conv.astype(old_conv.dtype)
+        if self.state_rows is None:
+            self.caches[layer] = (conv, rec)
+        else:
+            self.caches[layer] = (old_conv.at[self.state_rows].set(conv, mode="drop"),
+                                  old_rec.at[self.state_rows].set(rec, mode="drop"))
+
+    def gdn(self, layer, mix, positions):
+        """A linear-attention layer over this forward's tokens (positions [b, t]): tokens at
+        positions >= the write limit are padding and change no state."""
+        valid = (positions >= 0) & (positions < self.limit[:, None])
+        conv, rec = self._states(layer)
+        # Under a mesh the states are split over dp by XLA; the jnp path partitions.
+        backend = "reference" if self.mesh is not None else self.backend
+        out, conv, rec = mix_tokens(mix, conv, rec, valid, all_states=self.keep_states,
+                                    backend=backend)
+        if self.keep_states:
+            self.pending[layer] = (conv, rec)
+        else:
+            self._put_states(layer, conv, rec)
+        return out
+
+    def commit_states(self, n):
+        """Keep, per row, the linear-attention states after token n[r] of the kept forward
+        (the last token a verify accepted); the later ones leave no trace."""
+        for layer, (conv, rec) in self.pending.items():
+            pick = lambda x: jnp.take_along_axis(  # noqa: E731
+                x, n.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]
+            self._put_states(layer, pick(conv), pick(rec))
+        self.pending = {}
+
+
+class _Attend:
+    """The backend (layers.Attend) of one forward over positions [b, t] of a PagedKV: it
+    writes the new keys by slot mapping, dropping positions outside [0, limit), then
+    attends; `gdn` runs a linear-attention layer over the per-slot states."""
+
+    def __init__(self, kv: PagedKV, positions, kv_lens):
+        self.kv, self.positions, self.kv_lens = kv, positions, kv_lens
+        self.slots = [slot_mapping(bt, positions, kv.layout.page_size, kv.limit)
+                      for bt in kv.block_tables]
+
+    def __call__(self, layer, q, k, v, window, *, sm_scale=None, v_dim=None, sinks=None):
+        kv = self.kv
+        g = kv.layout.layer_group[layer]
+        if (v is None) != kv.layout.latent:
+            raise ValueError("latent attention needs a latent KV layout, and only it")
+        scales = kv._scales(layer)
+        pages = kv._write(kv.caches[layer], k, v, self.slots[g], scales, v_dim)
+        kv.caches[layer] = pages
+        return kv._attend(q, pages, kv.block_tables[g], self.kv_lens, window, sm_scale,
+                          v_dim, sinks, scales)
+
+    def gdn(self, layer, mix):
+        return self.kv.gdn(layer, mix, self.positions)
 
 
 __all__ = ["DROP_SLOT", "KVGroup", "KVLayout", "make_layout", "init_caches", "PageAllocator",

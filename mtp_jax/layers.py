@@ -31,6 +31,7 @@ from pallas_kernels.swiglu_matmul import swiglu_matmul
 from pallas_kernels.swiglu_matmul import use_kernel as use_swiglu_kernel
 
 from .config import ModelConfig
+from .delta_rule import mix_tokens, zero_states
 from .qarray import is_quantized, value
 from .quant import qeinsum
 from .sharding import one_device
@@ -41,6 +42,8 @@ from .specs import RopeSpec, rope_spec, yarn_mscale
 # sm_scale None is h ** -0.5; v None (latent attention, mla.py) means the values are the
 # first v_dim dims of the keys, cached once; sinks [n] (f32) are per-head logits that join
 # the softmax denominator (gpt-oss / MiMo-V2 attention sinks).
+# A backend of a model with linear-attention layers also has `gdn(layer, mix) -> o`
+# (gdn.py): the layer's states are the backend's, as a KV cache is.
 Attend = Callable[..., jax.Array]
 
 
@@ -189,12 +192,18 @@ def dense_attention(q, k, v, q_pos, k_pos, k_valid, window, sm_scale=None, v_dim
     return o.reshape(b, t, n, v.shape[-1]).astype(q.dtype)
 
 
-def causal_attend(positions):
-    """Backend for a full-sequence forward with no cache (training, tests)."""
-    valid = jnp.ones(positions.shape, bool)
+class causal_attend:
+    """Backend for a full-sequence forward with no cache (training, tests): dense causal
+    attention, and linear-attention layers from zeroed states (`gdn`)."""
 
-    def attend(layer, q, k, v, window, *, sm_scale=None, v_dim=None, sinks=None):
-        return dense_attention(q, k, v, positions, positions, valid, window, sm_scale, v_dim,
-                               sinks)
+    def __init__(self, positions):
+        self.positions = positions
+        self.valid = jnp.ones(positions.shape, bool)
 
-    return attend
+    def __call__(self, layer, q, k, v, window, *, sm_scale=None, v_dim=None, sinks=None):
+        return dense_attention(q, k, v, self.positions, self.positions, self.valid, window,
+                               sm_scale, v_dim, sinks)
+
+    def gdn(self, layer, mix):
+        conv, rec = zero_states(mix.spec, mix.qkv.shape[0], mix.qkv.dtype)
+        return mix_tokens(mix, conv, rec, self.valid)[0]

@@ -1,7 +1,8 @@
 """The Flax (NNX) target decoder: embedding, blocks, final norm, lm_head.
 
 A block is assembled from its layer's spec (specs.py): an attention module
-(`attention.Attention`, GQA, or `mla.MLAttention`) and an FFN module (the SwiGLU
+(`attention.Attention`, GQA, `mla.MLAttention`, or the linear attention
+`gdn.GatedDeltaNet`) and an FFN module (the SwiGLU
 `layers.MLP`, optionally clamped, or `moe.MoE` with its router, routed and shared
 experts), pre-norm residual around each. The MTP modules (mtp.py) build their blocks from
 the same specs.
@@ -24,6 +25,8 @@ from flax import nnx
 
 from .attention import Attention
 from .config import ModelConfig
+from .delta_rule import mix_tokens, zero_states
+from .gdn import GatedDeltaNet
 from .layers import Attend, MLP, RMSNorm, _param, dense_attention
 from .mla import MLAttention
 from .moe import MoE
@@ -38,9 +41,13 @@ class Block(nnx.Module):
     def __init__(self, spec: LayerSpec, d: int, *, dtype, rngs: nnx.Rngs):
         norm = dict(eps=spec.rms_norm_eps, offset=spec.norm_offset, dtype=dtype)
         self.input_norm = RMSNorm(d, **norm)
-        attn_cls = MLAttention if spec.attention.kind == "mla" else Attention
-        self.attn = attn_cls(spec.attention, d, eps=spec.rms_norm_eps,
-                             offset=spec.norm_offset, dtype=dtype, rngs=rngs)
+        kind = spec.attention.kind
+        if kind == "gdn":
+            self.attn = GatedDeltaNet(spec.attention, d, dtype=dtype, rngs=rngs)
+        else:
+            attn_cls = MLAttention if kind == "mla" else Attention
+            self.attn = attn_cls(spec.attention, d, eps=spec.rms_norm_eps,
+                                 offset=spec.norm_offset, dtype=dtype, rngs=rngs)
         self.post_attn_norm = RMSNorm(d, **norm)
         if spec.is_moe:
             self.mlp = MoE(spec.ffn, d, dtype=dtype, rngs=rngs)
@@ -98,20 +105,27 @@ def cache_entry(cfg: ModelConfig, layer: int = 0) -> tuple[int, int, int, bool]:
 
 class DenseCache:
     """A dense (non-paged) KV cache backend: per layer (k, v) [b, S, k, h] and lengths,
-    or (kv,) for latent attention.
+    or (kv,) for latent attention, or a linear-attention layer's (conv, recurrent) states
+    [b, ...] (delta_rule.py).
 
     Used by the plain reference generator. Writes the new keys at their positions, then
-    attends over the cache; `caches` holds the updated arrays after the forward.
+    attends over the cache; `caches` holds the updated arrays after the forward. `lengths`
+    [b]: tokens at positions >= lengths are padding, which the states must not take in
+    (None: every token is real).
     """
 
-    def __init__(self, caches, positions):
+    def __init__(self, caches, positions, lengths=None):
         self.caches = list(caches)
         self.positions = positions
+        self.lengths = lengths
 
     @staticmethod
     def init(cfg: ModelConfig, batch, max_len, dtype, num_layers=None):
         out = []
         for i in range(num_layers or cfg.num_layers):
+            if cfg.is_linear(i):
+                out.append(zero_states(cfg.layer_spec(i).attention, batch, dtype))
+                continue
             heads, dims, v_dims, latent = cache_entry(cfg, i)
             k = jnp.zeros((batch, max_len, heads, dims), dtype)
             out.append((k,) if latent else (k, jnp.zeros((batch, max_len, heads, v_dims), dtype)))
@@ -129,3 +143,11 @@ class DenseCache:
         vc = None if v is None else cache[1]
         return dense_attention(q, cache[0], vc, self.positions, k_pos, k_valid, window,
                                sm_scale, v_dim, sinks)
+
+    def gdn(self, layer, mix):
+        valid = (jnp.ones(self.positions.shape, bool) if self.lengths is None
+                 else self.positions < self.lengths[:, None])
+        conv, rec = self.caches[layer]
+        out, conv, rec = mix_tokens(mix, conv, rec, valid)
+        self.caches[layer] = (conv.astype(self.caches[layer][0].dtype), rec)
+        return out

@@ -19,7 +19,8 @@ needed) and one psum over (ep, tp) adds the partial outputs. The router and the 
 experts are plain einsums that XLA partitions from their parameter shardings.
 
 Parameter layouts: router [d, e] (f32), router_bias [e] (f32), experts_gate_up
-[e, d, 2, f], experts_down [e, f, d]; the shared experts are an `MLP`.
+[e, d, 2, f], experts_down [e, f, d]; the shared experts are an `MLP`, their optional
+per-token gate `shared_gate` [d] (Qwen3-Next: out = routed + sigmoid(x . w) * shared).
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class MoE(nnx.Module):
         self.experts_down = _param(rngs, (e, f, d), dtype, f ** -0.5)
         self.shared = (MLP(d, spec.shared_size, dtype=dtype, rngs=rngs,
                            limit=spec.shared_swiglu_limit) if spec.shared_size else None)
+        self.shared_gate = (_param(rngs, (d,), dtype, d ** -0.5)
+                            if spec.shared_size and spec.shared_gate else None)
 
     def __call__(self, x):
         bias = None if self.router_bias is None else self.router_bias[...]
@@ -62,7 +65,12 @@ class MoE(nnx.Module):
         out = routed_experts(x, ids, weights, value(self.experts_gate_up),
                              value(self.experts_down), self.spec.swiglu_limit)
         if self.shared is not None:
-            out = out + self.shared(x).astype(jnp.float32)
+            shared = self.shared(x).astype(jnp.float32)
+            if self.shared_gate is not None:  # a per-token sigmoid gate on the shared expert
+                gate = jnp.einsum("...d,d->...", x, self.shared_gate[...],
+                                  preferred_element_type=jnp.float32)
+                shared = shared * jax.nn.sigmoid(gate)[..., None]
+            out = out + shared
         return out.astype(x.dtype)
 
 

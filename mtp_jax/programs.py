@@ -71,7 +71,8 @@ class Runner:
             self.progs = programs(self.static, model.graphdef)
         else:
             shape = jax.eval_shape(lambda: init_state(self.static, model.dtype))
-            st_sh = state_shardings(shape, mesh, eng.max_batch)
+            linear = {i for i, x in enumerate(model.config.linear_layers) if x}
+            st_sh = state_shardings(shape, mesh, eng.max_batch, linear)
             p_sh = jax.tree_util.tree_map(lambda x: x.sharding, model.params)
             self.progs = programs(self.static, model.graphdef, st_sh, p_sh)
         self.init_state = self.progs.init(model.dtype)

@@ -21,9 +21,9 @@ from .sampling import SALT_TARGET, row_keys, sample, split_seed
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
-def _forward(graphdef, params, caches, tokens, positions):
+def _forward(graphdef, params, caches, tokens, positions, lengths):
     model = nnx.merge(graphdef, params)
-    backend = DenseCache(caches, positions)
+    backend = DenseCache(caches, positions, lengths)
     normed, _ = model.target(tokens, positions, backend)
     return model.target.head(normed), backend.caches
 
@@ -49,7 +49,7 @@ def generate_reference(model, prompt_ids, sampling: SamplingParams, *, max_len: 
     toks[0, :p] = prompt
     pos = np.arange(pad, dtype=np.int32)[None]
     logits, caches = _forward(model.graphdef, model.params, caches, jnp.asarray(toks),
-                              jnp.asarray(pos))
+                              jnp.asarray(pos), jnp.asarray([p], jnp.int32))
     row = logits[0, p - 1]
     t = jnp.float32(sampling.temperature)
     k, tp = jnp.int32(sampling.top_k), jnp.float32(sampling.top_p)
@@ -66,6 +66,7 @@ def generate_reference(model, prompt_ids, sampling: SamplingParams, *, max_len: 
             return out, "length"
         logits, caches = _forward(model.graphdef, model.params, caches,
                                   jnp.asarray([[tok]], jnp.int32),
-                                  jnp.asarray([[position]], jnp.int32))
+                                  jnp.asarray([[position]], jnp.int32),
+                                  jnp.asarray([position + 1], jnp.int32))
         row = logits[0, 0]
         position += 1

@@ -200,13 +200,19 @@ def shard_params(params, mesh: Optional[Mesh]):
     return params
 
 
-def state_shardings(state, mesh: Mesh, max_batch: int):
-    """NamedShardings for a DecodeState: per-slot fields by `dp`, KV pages by `tp`."""
+def state_shardings(state, mesh: Mesh, max_batch: int, linear_layers=()):
+    """NamedShardings for a DecodeState: per-slot fields by `dp`, KV pages by `tp`; the
+    per-slot states of the linear-attention layers (indices `linear_layers` of `caches`)
+    by `dp`."""
     dp = mesh.shape["dp"]
+    by_slot = NamedSharding(mesh, P("dp")) if max_batch % dp == 0 else NamedSharding(mesh, P())
 
     def one(path, x):
-        names = [getattr(k, "name", getattr(k, "key", None)) for k in path]
-        if "caches" in names:  # [kv_heads, pages, page_size, head_dim]
+        names = [getattr(k, "name", getattr(k, "key", getattr(k, "idx", None))) for k in path]
+        if "caches" in names:
+            if names[names.index("caches") + 1] in linear_layers:  # [slots, ...]
+                return by_slot
+            # [kv_heads, pages, page_size, head_dim]
             return NamedSharding(mesh, _spec(mesh, ("kv_heads", None, None, None), x.shape))
         if names and names[0] in ("prefill_tokens", "prefill_hidden") or x.ndim == 0:
             return NamedSharding(mesh, P())

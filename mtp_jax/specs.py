@@ -11,6 +11,8 @@ architecture adds a spec kind and a module, not a flag threaded through one `Blo
   scales, RoPE (per layer theta and rotary fraction).
 - `MLASpec`: multi-head latent attention (DeepSeek-V3): latent dims, softmax scale, RoPE
   on the rope part of each head (mla.py).
+- `GDNSpec`: Gated DeltaNet linear attention (Qwen3-Next / Qwen3.5): head counts and dims,
+  conv taps; a recurrent state per request instead of a KV cache (gdn.py).
 - `DenseFFN` (SwiGLU of `intermediate_size`, optionally clamped) or `MoEConfig`
   (config.py: router, routed and shared experts, their clamps for this layer).
 
@@ -88,6 +90,13 @@ class MLASpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class GDNSpec:
+    kind: str  # "gdn"
+    gdn: Any  # config.GDNConfig
+    eps: float  # the gated RMSNorm's
+
+
+@dataclasses.dataclass(frozen=True)
 class DenseFFN:
     intermediate_size: int
     swiglu_limit: Optional[float] = None  # min(silu(gate), L) * clip(up, -L, L)
@@ -98,7 +107,7 @@ FFNSpec = Union[DenseFFN, Any]  # DenseFFN or config.MoEConfig
 
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
-    attention: Union[AttentionSpec, MLASpec]
+    attention: Union[AttentionSpec, MLASpec, GDNSpec]
     ffn: FFNSpec
     rms_norm_eps: float
     norm_offset: float = 0.0  # 1.0 for zero-centred norms
@@ -132,7 +141,9 @@ def layer_spec(cfg, layer: int) -> LayerSpec:
         raise IndexError(f"layer {layer} out of range (0..{cfg.num_layers_total - 1})")
     window = (cfg.sliding_windows[layer] if layer < cfg.num_layers
               else cfg.mtp_sliding_windows[layer - cfg.num_layers])
-    if cfg.mla is not None:
+    if cfg.is_linear(layer):
+        attention = GDNSpec(kind="gdn", gdn=cfg.gdn, eps=cfg.rms_norm_eps)
+    elif cfg.mla is not None:
         attention = mla_spec(cfg, window)
     else:
         heads, kv_heads = cfg.heads_of(layer)
@@ -158,5 +169,5 @@ def layer_spec(cfg, layer: int) -> LayerSpec:
                      norm_offset=cfg.norm_offset)
 
 
-__all__ = ["RopeSpec", "AttentionSpec", "MLASpec", "mla_spec", "DenseFFN", "FFNSpec", "LayerSpec",
+__all__ = ["RopeSpec", "AttentionSpec", "MLASpec", "GDNSpec", "mla_spec", "DenseFFN", "FFNSpec", "LayerSpec",
            "layer_spec", "rope_spec", "at_layer", "yarn_mscale"]

@@ -10,7 +10,9 @@ The speculative step (fixed shapes, no host sync, no Python branch on data):
      window of the K+1 newest committed positions and the next carry;
   5. draft K tokens for the next step with the chosen strategy (drafting.draft).
 Rollback is free: writes are position-indexed and attention is masked by length, so only
-the committed length moves. `run_steps` runs up to N steps in one `lax.while_loop`.
+the committed length moves. Linear-attention layers (Gated DeltaNet) carry a state per
+slot instead: the verify keeps the state after each of its K+1 tokens and the accepted
+count picks the one carried on (`PagedKV.commit_states`); nothing is recomputed. `run_steps` runs up to N steps in one `lax.while_loop`.
 
 Prefill (a batch of up to `EngineConfig.prefill_batch` requests in one forward, a row
 each, rows and chunk lengths bucketed to powers of two): `prefill_target` per chunk
@@ -218,8 +220,10 @@ def decode_step(model, s: Static, st: DecodeState, kr: Optional[int] = None) -> 
     toks = jnp.concatenate([st.last_token[:, None], jnp.maximum(drafts_in, 0)], axis=1)
     pos = length[:, None] - 1 + idx  # [B, K+1]
     limit = jnp.where(run, st.limit, 0)
+    # linear-attention layers keep their states after each verified token until the
+    # accepted count is known (`commit_states` below)
     kv = PagedKV(s.layout, st.caches, st.block_tables, limit, backend=eng.attention_backend,
-                 mesh=s.mesh)
+                 mesh=s.mesh, keep_states=bool(s.layout.linear))
     with jax.named_scope("verify"):
         normed, pre = model.target(toks, pos, kv.attend(pos, jnp.where(run, length + k, 0)))
         logits = model.target.head(normed)  # [B, K+1, V] f32
@@ -233,6 +237,7 @@ def decode_step(model, s: Static, st: DecodeState, kr: Optional[int] = None) -> 
         n, new_toks, think = accept(logits, drafts_in, st.draft_logp[:, :k], pos + 1, sp.seed,
                                     sp.temperature, sp.top_k, sp.top_p, relaxed=relaxed,
                                     coupled=s.coupled, sampled=s.sampled)
+    kv.commit_states(n)  # the states after the last accepted token: t_{L-1}, d_1..d_n
     with jax.named_scope("emit"):
         m = n + 1
         used = idx[None] <= n[:, None]
@@ -375,14 +380,16 @@ def release(st: DecodeState, mask) -> DecodeState:
 
 
 # ----------------------------------------------------------------------------- prefill
-def _rows_kv(s: Static, st: DecodeState, slots, limit):
+def _rows_kv(s: Static, st: DecodeState, slots, limit, fresh=None):
     """PagedKV over the slots [r] of a prefill batch, writes below `limit` [r] (and the
-    slot's own limit). A slot index of max_batch marks a padding row: every write dropped."""
+    slot's own limit). A slot index of max_batch marks a padding row: every write dropped.
+    fresh [r]: rows whose linear-attention states start from zeros (a prompt's first
+    chunk; a resumed request's too, so its states are rebuilt from its tokens)."""
     real = slots < s.eng.max_batch
     tables = tuple(bt.at[slots].get(mode="clip") for bt in st.block_tables)
     limit = jnp.where(real, jnp.minimum(st.limit.at[slots].get(mode="clip"), limit), 0)
     return PagedKV(s.layout, st.caches, tables, limit, backend=s.eng.attention_backend,
-                   mesh=s.mesh, batch_sharded=False)
+                   mesh=s.mesh, batch_sharded=False, state_rows=slots, fresh=fresh)
 
 
 def _scratch_rows(scratch, start, size: int):
@@ -416,7 +423,7 @@ def prefill_target(model, s: Static, st: DecodeState, slots, start, valid, logit
     r = slots.shape[0]
     tokens = _scratch_rows(st.prefill_tokens, o + start, chunk)
     pos = start[:, None] + jnp.arange(chunk)
-    kv = _rows_kv(s, st, slots, start + valid)
+    kv = _rows_kv(s, st, slots, start + valid, fresh=(start == 0) & (valid > 0))
     normed, pre = model.target(tokens, pos, kv.attend(pos, start + chunk))
     last = jnp.take_along_axis(normed, jnp.maximum(valid - 1, 0)[:, None, None], axis=1)
     logits = jnp.where((valid > 0)[:, None], model.target.head(last[:, 0]), logits)

@@ -52,13 +52,16 @@ def markov_model(layout="mimo", *, agree=True, target_noise=0.0, mtp_noise=0.0, 
     flat[("target", "embed")] = emb
     flat[("target", "lm_head")] = head
     eye = np.eye(d, dtype=np.float32)
-    for k in range(cfg.num_mtp_modules):
-        proj = np.asarray(flat[("mtp", k, "input", "proj")]) * mtp_noise
+    inputs = ([("mtp_shared",)] if cfg.mtp_shared_input and cfg.num_mtp_modules else
+              [("mtp", k, "input") for k in range(cfg.num_mtp_modules)])
+    for path in inputs:
+        proj = np.asarray(flat[path + ("proj",)]) * mtp_noise
         if cfg.mtp_concat_order == "hidden_first":
             proj[d:] += eye
         else:
             proj[:d] += eye
-        flat[("mtp", k, "input", "proj")] = proj
+        flat[path + ("proj",)] = proj
+    for k in range(cfg.num_mtp_modules):
         if cfg.mtp_own_head:
             flat[("mtp", k, "embed")] = emb
             flat[("mtp", k, "head")] = head if agree else np.roll(head, 1, axis=1)

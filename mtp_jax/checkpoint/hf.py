@@ -80,6 +80,8 @@ def load_hf(path: str, *, dtype=None, config: Optional[ModelConfig] = None,
                 dup.setdefault(name, [found[name][0]]).append(fpath)
             found[name] = (fpath, 8 + n, entry)
     fam = family(cfg.layout)
+    found = {k: v for k, v in found.items()
+             if not any(p.match(k) for p in fam.ignored_tensors)}
     found = canonical_names(fam.tensor_aliases, found)
     if config is None:  # facts config.json leaves out, read from the tensor names
         cfg = fam.fit_to_checkpoint(cfg, found, path)

@@ -65,7 +65,7 @@ FAMILIES = (
 BY_MODEL_TYPE = {mt: f for f in FAMILIES for mt in f.model_types}
 BY_LAYOUT = {f.name: f for f in FAMILIES}
 for _f in FAMILIES:
-    register_layout(_f.name, moe=_f.moe, mla=_f.mla)
+    register_layout(_f.name, moe=_f.moe, mla=_f.mla, gdn=_f.gdn)
 
 
 def family(layout: str) -> Family:

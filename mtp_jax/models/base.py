@@ -75,6 +75,7 @@ class Family:
     architecture: str = ""
     moe: bool = False
     mla: bool = False
+    gdn: bool = False  # its configs may hold Gated DeltaNet linear-attention layers
     partial_rotary_factor: float = 1.0
     config_defaults: Mapping = {}
     config_switches: Mapping = {}  # config.json key -> boolean ModelConfig field
@@ -89,6 +90,9 @@ class Family:
     mtp_post_attn_norm: str = "post_attention_layernorm"
     mtp_head: str = "shared_head.head.weight"  # under the prefix, with `mtp.own_head`
     tensor_aliases: tuple = ()  # (compiled pattern, replacement): other spellings
+    # (compiled patterns) tensors of a checkpoint that are not the language model's (a
+    # multimodal checkpoint's vision tower): left unread
+    ignored_tensors: tuple = ()
 
     # ------------------------------------------------------------ config.json
     def translate(self, raw: dict, mtp_layers: Optional[int]) -> tuple[dict, dict]:

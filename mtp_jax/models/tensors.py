@@ -62,17 +62,26 @@ def gqa_entries(att, d: int, path: tuple, a: str) -> list[Entry]:
     k, g, h, u = att.num_kv_heads, att.group_size, att.head_dim, att.v_dim
     n = k * g
     fused = u == h  # v in the same parameter as q and k
+    # an element-wise gate: q_proj [n * 2h, d] holds each head's query, then its gate
+    # (Qwen3-Next); the parameter keeps the g gates after the g queries of each kv head
+    qg = 2 * g if att.gate == "element" else g
 
-    def join_qkv(arrs):  # q [n*h, d], k [k*h, d](, v [k*h, d]) -> [d, k, g+2 (g+1), h]
+    def join_qkv(arrs):  # q [n*h (n*2h), d], k [k*h, d](, v [k*h, d]) -> [d, k, qg+2, h]
         q, kk, *v = (np.asarray(x) for x in arrs)
-        parts = [q.reshape(k, g, h, d), kk.reshape(k, 1, h, d)] + [
+        if qg != g:
+            q = q.reshape(k, g, 2, h, d)
+            q = np.concatenate([q[:, :, 0], q[:, :, 1]], axis=1)  # [k, 2g, h, d]
+        parts = [q.reshape(k, qg, h, d), kk.reshape(k, 1, h, d)] + [
             x.reshape(k, 1, h, d) for x in v]
         return np.ascontiguousarray(np.concatenate(parts, axis=1).transpose(3, 0, 1, 2))
 
     def split_qkv(p):
-        w = np.asarray(p).transpose(1, 2, 3, 0)  # [k, g+2 (g+1), h, d]
-        out = [w[:, :g].reshape(n * h, d), w[:, g].reshape(k * h, d)]
-        return out + ([w[:, g + 1].reshape(k * h, d)] if fused else [])
+        w = np.asarray(p).transpose(1, 2, 3, 0)  # [k, qg+2 (qg+1), h, d]
+        q = w[:, :qg]
+        if qg != g:
+            q = np.stack([q[:, :g], q[:, g:]], axis=2)  # [k, g, 2, h, d]
+        out = [q.reshape(n * (qg // g) * h, d), w[:, qg].reshape(k * h, d)]
+        return out + ([w[:, qg + 1].reshape(k * h, d)] if fused else [])
 
     def join_bias(arrs):
         q, kk, v = (np.asarray(x) for x in arrs)
@@ -84,7 +93,8 @@ def gqa_entries(att, d: int, path: tuple, a: str) -> list[Entry]:
 
     proj = ("q_proj", "k_proj", "v_proj") if fused else ("q_proj", "k_proj")
     es = [Entry(path + ("qkv" if fused else "qk",), tuple(a + x + ".weight" for x in proj),
-                ((n * h, d), (k * h, d), (k * h, d))[: len(proj)], join_qkv, split_qkv),
+                ((n * (qg // g) * h, d), (k * h, d), (k * h, d))[: len(proj)], join_qkv,
+                split_qkv),
           Entry(path + ("o",), (a + "o_proj.weight",), ((d, n * u),),
                 lambda arrs: np.ascontiguousarray(np.asarray(arrs[0]).T.reshape(n, u, d)),
                 lambda p: [_t(np.asarray(p).reshape(n * u, d))])]
@@ -99,7 +109,7 @@ def gqa_entries(att, d: int, path: tuple, a: str) -> list[Entry]:
     if att.qk_norm:
         es.append(vector(path + ("q_norm", "weight"), a + "q_norm.weight", h))
         es.append(vector(path + ("k_norm", "weight"), a + "k_norm.weight", h))
-    if att.gate:  # Step-3.5 g_proj [n, d] -> [d, k, g]
+    if att.gate == "head":  # Step-3.5 g_proj [n, d] -> [d, k, g]
         es.append(Entry(path + ("gate",), (a + "g_proj.weight",), ((n, d),),
                         lambda arrs: np.ascontiguousarray(_t(arrs[0]).reshape(d, k, g)),
                         lambda p: [_t(np.asarray(p).reshape(d, n))]))
@@ -246,4 +256,98 @@ def moe_entries(moe, d: int, path: tuple, prefix: str) -> list[Entry]:
     if moe.shared_size:
         es += swiglu_entries(d, moe.shared_size, path + ("shared",),
                               prefix + "shared_experts.")
+    return es
+
+
+def gdn_entries(spec, d: int, path: tuple, a: str, *, fused_qkvz: bool) -> list[Entry]:
+    """A Gated DeltaNet layer (gdn.py layouts) under `a` (`...linear_attn.`): in_proj from
+    Qwen3-Next's `in_proj_qkvz` / `in_proj_ba` (grouped per key head: q, k, then the value
+    and z rows of its value heads; b, a likewise) when `fused_qkvz`, else from Qwen3.5's
+    `in_proj_qkv` (q, k, v of all heads) / `in_proj_z` / `in_proj_b` / `in_proj_a`; the
+    depthwise `conv1d` [conv_dim, 1, taps]; `dt_bias`, `A_log`; the gated norm; `out_proj`."""
+    c = spec.gdn
+    hk, hv, dk, dv = c.num_k_heads, c.num_v_heads, c.k_head_dim, c.v_head_dim
+    r = hv // hk
+    kd, vd = c.key_dim, c.value_dim
+
+    def join_fused(arrs):  # qkvz [hk*(2dk + 2r dv), d], ba [hk*2r, d] -> [d, cols]
+        qkvz = np.asarray(arrs[0]).reshape(hk, 2 * dk + 2 * r * dv, d)
+        ba = np.asarray(arrs[1]).reshape(hk, 2 * r, d)
+        q, kk = qkvz[:, :dk], qkvz[:, dk: 2 * dk]
+        v, z = qkvz[:, 2 * dk: 2 * dk + r * dv], qkvz[:, 2 * dk + r * dv:]
+        rows = [q.reshape(kd, d), kk.reshape(kd, d), v.reshape(vd, d), z.reshape(vd, d),
+                ba[:, :r].reshape(hv, d), ba[:, r:].reshape(hv, d)]
+        return _t(np.concatenate(rows, axis=0))
+
+    def split_fused(p):
+        w = _t(p)  # [cols, d]
+        q, kk, v, z, b, aa = np.split(w, np.cumsum([kd, kd, vd, vd, hv])[:5], axis=0)
+        qkvz = np.concatenate([q.reshape(hk, dk, d), kk.reshape(hk, dk, d),
+                               v.reshape(hk, r * dv, d), z.reshape(hk, r * dv, d)], axis=1)
+        ba = np.concatenate([b.reshape(hk, r, d), aa.reshape(hk, r, d)], axis=1)
+        return [qkvz.reshape(-1, d), ba.reshape(-1, d)]
+
+    def join_apart(arrs):  # qkv [conv_dim, d], z [vd, d], b [hv, d], a [hv, d]
+        return _t(np.concatenate([np.asarray(x) for x in arrs], axis=0))
+
+    def split_apart(p):
+        return list(np.split(_t(p), np.cumsum([c.conv_dim, vd, hv])[:3], axis=0))
+
+    if fused_qkvz:
+        proj = Entry(path + ("in_proj",), (a + "in_proj_qkvz.weight", a + "in_proj_ba.weight"),
+                     ((2 * kd + 2 * vd, d), (2 * hv, d)), join_fused, split_fused)
+    else:
+        proj = Entry(path + ("in_proj",), tuple(a + f"in_proj_{x}.weight"
+                                                for x in ("qkv", "z", "b", "a")),
+                     ((c.conv_dim, d), (vd, d), (hv, d), (hv, d)), join_apart, split_apart)
+    return [
+        proj,
+        Entry(path + ("conv",), (a + "conv1d.weight",), ((c.conv_dim, 1, c.conv_kernel),),
+              lambda arrs: _t(np.asarray(arrs[0])[:, 0]),
+              lambda p: [_t(p)[:, None, :]]),
+        vector(path + ("dt_bias",), a + "dt_bias", hv),
+        vector(path + ("A_log",), a + "A_log", hv),
+        vector(path + ("norm",), a + "norm.weight", dv),
+        Entry(path + ("out_proj",), (a + "out_proj.weight",), ((d, vd),),
+              lambda arrs: np.ascontiguousarray(_t(arrs[0]).reshape(hv, dv, d)),
+              lambda p: [_t(np.asarray(p).reshape(vd, d))]),
+    ]
+
+
+def stacked_experts_entries(moe, d: int, path: tuple, prefix: str) -> list[Entry]:
+    """Experts stored stacked as transformers >= 5 holds them (`experts.gate_up_proj`
+    [e, 2f, d]: gate rows, then up rows; `experts.down_proj` [e, d, f])."""
+    e_n, f = moe.num_experts, moe.intermediate_size
+
+    def join_gu(arrs):  # [e, 2f, d] -> [e, d, 2, f]
+        w = np.asarray(arrs[0]).reshape(e_n, 2, f, d)
+        return np.ascontiguousarray(w.transpose(0, 3, 1, 2))
+
+    return [
+        Entry(path + ("experts_gate_up",), (prefix + "experts.gate_up_proj",),
+              ((e_n, 2 * f, d),), join_gu,
+              lambda p: [np.ascontiguousarray(np.asarray(p).transpose(0, 2, 3, 1)
+                                              .reshape(e_n, 2 * f, d))]),
+        Entry(path + ("experts_down",), (prefix + "experts.down_proj",), ((e_n, d, f),),
+              lambda arrs: np.ascontiguousarray(np.asarray(arrs[0]).transpose(0, 2, 1)),
+              lambda p: [np.ascontiguousarray(np.asarray(p).transpose(0, 2, 1))]),
+    ]
+
+
+def qwen_moe_entries(moe, d: int, path: tuple, prefix: str, *, stacked: bool) -> list[Entry]:
+    """A Qwen3-Next / Qwen3.5 MoE layer: router `mlp.gate`, the experts (per expert, or
+    stacked), the shared expert `mlp.shared_expert.*` and its gate `mlp.shared_expert_gate`
+    [1, d]."""
+    if stacked:
+        es = [linear(path + ("router",), prefix + "gate.weight", moe.num_experts, d)]
+        es += stacked_experts_entries(moe, d, path, prefix)
+    else:
+        es = moe_entries(dataclasses.replace(moe, num_shared=0, shared_intermediate_size=0),
+                         d, path, prefix)
+    if moe.shared_size:
+        es += swiglu_entries(d, moe.shared_size, path + ("shared",), prefix + "shared_expert.")
+    if moe.shared_gate:
+        es.append(Entry(path + ("shared_gate",), (prefix + "shared_expert_gate.weight",),
+                        ((1, d),), lambda arrs: np.asarray(arrs[0]).reshape(d),
+                        lambda p: [np.asarray(p).reshape(1, d)]))
     return es
