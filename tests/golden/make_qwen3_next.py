@@ -47,6 +47,7 @@ import sys
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import transformers
@@ -640,6 +641,228 @@ def verify_folder(case: dict, folder: str, model, mtp: QwenMtp, arrays: dict) ->
 
 
 # ----------------------------------------------------------------------------
+# independent float64 reference: reads only config.json and model.safetensors
+# ----------------------------------------------------------------------------
+
+REF_TOL = 1e-4  # float64 reference vs transformers (float32)
+
+
+class Reference:
+    """The forward pass and the MTP layer written out from the published descriptions (and vLLM's
+    qwen3_next.py / qwen3_5.py / *_mtp.py), in float64, from the folder's files only."""
+
+    def __init__(self, folder: str, mistake: str | None = None):
+        self.mistake = mistake  # one of MISTAKES: a plausible loader error, to show the fixture catches it
+        with open(os.path.join(folder, "config.json")) as fh:
+            raw = json.load(fh)
+        self.qwen35 = "text_config" in raw
+        c = raw["text_config"] if self.qwen35 else raw
+        self.c = c
+        tensors = load_safetensors(os.path.join(folder, "model.safetensors"))
+        self.w = {k: v.to(torch.float64) for k, v in tensors.items()}
+        self.prefix = "model.language_model." if self.qwen35 else "model."
+        n = c["num_hidden_layers"]
+        if "layer_types" in c:
+            self.layer_types = c["layer_types"]
+        else:
+            k = c["full_attention_interval"]
+            self.layer_types = ["linear_attention" if (i + 1) % k else "full_attention" for i in range(n)]
+        rope = c.get("rope_parameters") or {}
+        self.theta = rope.get("rope_theta", c.get("rope_theta"))
+        self.partial = rope.get("partial_rotary_factor", c.get("partial_rotary_factor"))
+        self.eps = c["rms_norm_eps"]
+        self.hd = c["head_dim"]
+        self.moe = c.get("num_experts", 0) > 0
+        # Qwen3.5-MoE has no norm_topk_prob key: it always renormalises the top-k probabilities
+        self.norm_topk = c.get("norm_topk_prob", True)
+
+    def t(self, name):
+        return self.w[name]
+
+    def rms0(self, x, w):  # zero-centred RMSNorm
+        scale = w if self.mistake == "norms_not_zero_centred" else 1.0 + w
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + self.eps) * scale
+
+    def rope(self, x, pos):  # NeoX rotate-half on the first rotary_dim dims of each head; x [T, H, hd]
+        rd = self.hd if self.mistake == "rope_full_head_dim" else int(self.hd * self.partial)
+        inv = 1.0 / (self.theta ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd))
+        ang = pos.to(torch.float64)[:, None] * inv[None]
+        cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+        xr, xp = x[..., :rd], x[..., rd:]
+        rot = torch.cat([-xr[..., rd // 2:], xr[..., : rd // 2]], -1)
+        return torch.cat([xr * cos + rot * sin, xp], -1)
+
+    def attention(self, p, x, pos):
+        c, hd = self.c, self.hd
+        nh, nkv = c["num_attention_heads"], c["num_key_value_heads"]
+        t = x.shape[0]
+        qg = (x @ self.t(p + "self_attn.q_proj.weight").T).view(t, nh, 2 * hd)
+        q, gate = qg[..., :hd], qg[..., hd:].reshape(t, nh * hd)  # per head: hd query rows, then hd gate rows
+        k = (x @ self.t(p + "self_attn.k_proj.weight").T).view(t, nkv, hd)
+        v = (x @ self.t(p + "self_attn.v_proj.weight").T).view(t, nkv, hd)
+        q = self.rope(self.rms0(q, self.t(p + "self_attn.q_norm.weight")), pos)
+        k = self.rope(self.rms0(k, self.t(p + "self_attn.k_norm.weight")), pos)
+        grp = nh // nkv
+        k, v = k.repeat_interleave(grp, 1), v.repeat_interleave(grp, 1)
+        s = torch.einsum("qhd,khd->hqk", q, k) * hd ** -0.5
+        s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        o = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v).reshape(t, nh * hd)
+        if self.mistake != "no_attention_output_gate":
+            o = o * torch.sigmoid(gate)
+        return o @ self.t(p + "self_attn.o_proj.weight").T
+
+    def gated_deltanet(self, p, x):
+        c = self.c
+        hk, hv, dk, dv = (c["linear_num_key_heads"], c["linear_num_value_heads"], c["linear_key_head_dim"],
+                          c["linear_value_head_dim"])
+        r, t = hv // hk, x.shape[0]
+        if self.qwen35:  # separate projections, q / k / v each head-major
+            qkv = x @ self.t(p + "linear_attn.in_proj_qkv.weight").T
+            q, k, v = qkv.split([hk * dk, hk * dk, hv * dv], -1)
+            z = (x @ self.t(p + "linear_attn.in_proj_z.weight").T).view(t, hv, dv)
+            b = x @ self.t(p + "linear_attn.in_proj_b.weight").T
+            a = x @ self.t(p + "linear_attn.in_proj_a.weight").T
+        elif self.mistake == "qkvz_read_flat":  # as if [q | k | v | z] were each head-major
+            qkvz = x @ self.t(p + "linear_attn.in_proj_qkvz.weight").T
+            q, k, v, z = qkvz.split([hk * dk, hk * dk, hv * dv, hv * dv], -1)
+            ba = x @ self.t(p + "linear_attn.in_proj_ba.weight").T
+            b, a, z = ba[:, :hv], ba[:, hv:], z.reshape(t, hv, dv)
+        else:  # Qwen3-Next: grouped per key head [q dk | k dk | v r*dv | z r*dv] and [b r | a r]
+            qkvz = (x @ self.t(p + "linear_attn.in_proj_qkvz.weight").T).view(t, hk, 2 * dk + 2 * r * dv)
+            q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], -1)
+            ba = (x @ self.t(p + "linear_attn.in_proj_ba.weight").T).view(t, hk, 2 * r)
+            b, a = ba[..., :r].reshape(t, hv), ba[..., r:].reshape(t, hv)
+            q, k, v, z = q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1), z.reshape(t, hv, dv)
+        mixed = torch.cat([q, k, v], -1)  # [T, C]: the causal depthwise conv runs over these channels
+        w = self.t(p + "linear_attn.conv1d.weight")[:, 0]  # [C, K]
+        kk = w.shape[1]
+        padded = torch.cat([torch.zeros(kk - 1, mixed.shape[1], dtype=mixed.dtype), mixed], 0)
+        conv = sum(padded[j: j + t] * w[:, j] for j in range(kk))
+        conv = conv * torch.sigmoid(conv)  # silu
+        q, k, v = conv.split([hk * dk, hk * dk, hv * dv], -1)
+        q, k, v = q.view(t, hk, dk), k.view(t, hk, dk), v.view(t, hv, dv)
+        q, k = q.repeat_interleave(r, 1), k.repeat_interleave(r, 1)  # value head h reads key head h // r
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * dk ** -0.5
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        beta = torch.sigmoid(b)
+        g = -torch.exp(self.t(p + "linear_attn.A_log")) * F.softplus(a + self.t(p + "linear_attn.dt_bias"))
+        state = torch.zeros(hv, dk, dv, dtype=torch.float64)
+        outs = []
+        for i in range(t):
+            state = state * torch.exp(g[i])[:, None, None]
+            delta = (v[i] - torch.einsum("hk,hkv->hv", k[i], state)) * beta[i][:, None]
+            state = state + k[i][:, :, None] * delta[:, None, :]
+            outs.append(torch.einsum("hk,hkv->hv", q[i], state))
+        o = torch.stack(outs)  # [T, Hv, dv]
+        wn = self.t(p + "linear_attn.norm.weight") + (1.0 if self.mistake == "gated_norm_zero_centred" else 0.0)
+        o = o / torch.sqrt((o * o).mean(-1, keepdim=True) + self.eps) * wn
+        o = o * (z * torch.sigmoid(z))  # weight as stored (not zero-centred), gated by silu(z)
+        return o.reshape(t, hv * dv) @ self.t(p + "linear_attn.out_proj.weight").T
+
+    def mlp(self, p, x):
+        silu = lambda u: u * torch.sigmoid(u)  # noqa: E731
+        return (silu(x @ self.t(p + "gate_proj.weight").T) * (x @ self.t(p + "up_proj.weight").T)) @ \
+            self.t(p + "down_proj.weight").T
+
+    def experts(self, p):
+        if p + "mlp.experts.gate_up_proj" in self.w:  # fused: gate rows [:F], up rows [F:]
+            gu, down = self.t(p + "mlp.experts.gate_up_proj"), self.t(p + "mlp.experts.down_proj")
+            f = gu.shape[1] // 2
+            return [(gu[e, :f], gu[e, f:], down[e]) for e in range(gu.shape[0])]
+        n = self.c["num_experts"]
+        return [tuple(self.t(f"{p}mlp.experts.{e}.{j}_proj.weight") for j in ("gate", "up", "down"))
+                for e in range(n)]
+
+    def ffn(self, p, x):
+        if p + "mlp.gate.weight" not in self.w:
+            return self.mlp(p + "mlp.", x)
+        probs = torch.softmax(x @ self.t(p + "mlp.gate.weight").T, -1)
+        top, idx = probs.topk(self.c["num_experts_per_tok"], -1)
+        if self.norm_topk:
+            top = top / top.sum(-1, keepdim=True)
+        experts = self.experts(p)
+        out = torch.zeros_like(x)
+        for i in range(x.shape[0]):
+            for wgt, e in zip(top[i], idx[i]):
+                g, u, d = experts[int(e)]
+                out[i] += wgt * ((F.silu(x[i] @ g.T) * (x[i] @ u.T)) @ d.T)
+        shared_gate = torch.sigmoid(x @ self.t(p + "mlp.shared_expert_gate.weight").T)
+        return out + shared_gate * self.mlp(p + "mlp.shared_expert.", x)
+
+    def layer(self, p, kind, x, pos):
+        h = self.rms0(x, self.t(p + "input_layernorm.weight"))
+        x = x + (self.attention(p, h, pos) if kind == "full_attention" else self.gated_deltanet(p, h))
+        return x + self.ffn(p, self.rms0(x, self.t(p + "post_attention_layernorm.weight")))
+
+    def forward(self, ids):
+        x = self.t(self.prefix + "embed_tokens.weight")[ids]
+        pos = torch.arange(ids.shape[0])
+        for i, kind in enumerate(self.layer_types):
+            x = self.layer(f"{self.prefix}layers.{i}.", kind, x, pos)
+        hidden = self.rms0(x, self.t(self.prefix + "norm.weight"))
+        return hidden @ self.t("lm_head.weight").T, x, hidden
+
+    def mtp(self, prompt, hidden):
+        e = self.t(self.prefix + "embed_tokens.weight")[prompt[1:]]
+        if self.mistake == "mtp_zero_embedding_at_0":
+            e = e.clone()
+            e[0] = 0.0
+        parts = [self.rms0(e, self.t("mtp.pre_fc_norm_embedding.weight")),
+                 self.rms0(hidden[:-1], self.t("mtp.pre_fc_norm_hidden.weight"))]
+        if self.mistake == "mtp_hidden_first":
+            parts = parts[::-1]
+        x = torch.cat(parts, -1) @ self.t("mtp.fc.weight").T
+        y = self.layer("mtp.layers.0.", "full_attention", x, torch.arange(prompt.shape[0] - 1))
+        return y, self.rms0(y, self.t("mtp.norm.weight")) @ self.t("lm_head.weight").T
+
+
+MISTAKES = ("norms_not_zero_centred", "gated_norm_zero_centred", "qkvz_read_flat", "rope_full_head_dim",
+            "no_attention_output_gate", "mtp_hidden_first", "mtp_prenorm_hidden", "mtp_zero_embedding_at_0")
+
+
+@torch.no_grad()
+def mistakes_caught(case: dict, folder: str, arrays: dict) -> dict[str, float]:
+    """For each plausible loader mistake, by how much the reference then misses the golden logits
+    (max over `logits` and `mtp_logits`); each must exceed 1e-2."""
+    out = {}
+    for mistake in MISTAKES:
+        if mistake == "qkvz_read_flat" and case["family"] != "qwen3_next":
+            continue
+        ref = Reference(folder, mistake)
+        prompt = torch.from_numpy(arrays["prompt"])
+        logits, prenorm, hidden = ref.forward(prompt)
+        _, mtp_logits = ref.mtp(prompt, prenorm if mistake == "mtp_prenorm_hidden" else hidden)
+        diff = max(float((logits - torch.from_numpy(arrays["logits"]).double()).abs().max()),
+                   float((mtp_logits - torch.from_numpy(arrays["mtp_logits"]).double()).abs().max()))
+        assert diff > 1e-2, (mistake, diff)
+        out[mistake] = round(diff, 3)
+    return out
+
+
+@torch.no_grad()
+def reference_check(case: dict, folder: str, arrays: dict) -> float:
+    """The float64 reference must reproduce every golden array within REF_TOL; returns the max diff."""
+    ref = Reference(folder)
+    if case["family"] == "qwen3_next":  # vLLM builds the MTP layer as layer 0: MoE unless 0 is MLP-only
+        c = ref.c
+        moe0 = 0 not in c.get("mlp_only_layers", []) and c["num_experts"] > 0 and 1 % c["decoder_sparse_step"] == 0
+        assert moe0 == ("mtp.layers.0.mlp.gate.weight" in ref.w)
+    prompt = torch.from_numpy(arrays["prompt"])
+    greedy = torch.from_numpy(arrays["greedy"])
+    logits, prenorm, hidden = ref.forward(torch.cat([prompt, greedy[:-1]]))
+    t = prompt.shape[0]
+    y, mtp_logits = ref.mtp(prompt, hidden[:t] if ref.mistake != "mtp_prenorm_hidden" else prenorm[:t])
+    pairs = [(logits[:t], "logits"), (hidden[:t], "hidden"), (prenorm[:t], "hidden_prenorm"),
+             (logits[t - 1:], "greedy_logits"), (y, "mtp_y"), (mtp_logits, "mtp_logits")]
+    worst = 0.0
+    for mine, key in pairs:
+        diff = float((mine - torch.from_numpy(arrays[key]).to(torch.float64)).abs().max())
+        assert diff <= REF_TOL, f"{key}: float64 reference differs by {diff}"
+        worst = max(worst, diff)
+    return worst
+
+
+# ----------------------------------------------------------------------------
 # driver
 # ----------------------------------------------------------------------------
 
@@ -664,6 +887,8 @@ def write_case(out_dir: str, name: str, case: dict, workdir: str) -> dict:
     folder = os.path.join(out_dir, name)
     write_fixture_folder(folder, config_json(case, sp_dir), tensors, arrays)
     verify_folder(case, folder, model, mtp, arrays)
+    stats["reference_max_diff"] = reference_check(case, folder, arrays)
+    stats["mistakes_caught"] = mistakes_caught(case, folder, arrays)
     stats.update(seed=seed, tries=tries,
                  safetensors_bytes=os.path.getsize(os.path.join(folder, "model.safetensors")))
     return stats
