@@ -28,8 +28,11 @@ with ``from_pretrained`` (logits must be bit-identical) and the MTP tensors are 
 the file into fresh modules (MTP logits bit-identical). transformers 5.17 has no MTP path for
 these models, so the MTP layer runs transformers' own decoder layer (a ``full_attention`` layer
 of the model's class) and RMSNorm class, with the concat / projection wired by hand as vLLM's
-``qwen3_next_mtp.py`` / ``qwen3_5_mtp.py`` do. Draws whose routing or argmax decisions are near a
-tie are redrawn.
+``qwen3_next_mtp.py`` / ``qwen3_5_mtp.py`` do. A float64 reference written from config.json and
+model.safetensors alone must reproduce every golden array within 1e-4, and the same reference
+with one plausible loader mistake (plain instead of zero-centred norms, Qwen3-Next's grouped
+``in_proj_qkvz`` read flat, the MTP concat order, ...) must miss the logits. Draws whose routing
+or argmax decisions are near a tie are redrawn.
 
 Re-run from the repository root with a Python that has torch + transformers::
 
