@@ -94,7 +94,13 @@ def mtp_golden(case, gold):
 def test_config_and_layout(case):
     model, _ = case_data(case)
     cfg = model.config
-    assert cfg.moe is not None and cfg.num_mtp_modules == 1
+    assert (cfg.moe is None) == (case == "qwen3_5_dense") and cfg.num_mtp_modules == 1
+    if case.startswith("qwen3"):  # hybrid: linear-attention layers and the gated attention
+        assert cfg.layout == ("qwen3_next" if "next" in case else "qwen3_5")
+        assert cfg.attention_gate == "element"
+        assert any(cfg.linear_layers) and not cfg.is_linear(cfg.num_layers)
+        assert cfg.norm_offset == 1.0 and cfg.mtp_shared_input
+        return
     if case.startswith("deepseek_v3"):
         assert cfg.layout == "deepseek_v3" and cfg.mla is not None
         assert cfg.mtp_own_head and cfg.mtp_own_embed

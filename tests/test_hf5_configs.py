@@ -81,16 +81,18 @@ def test_disagreeing_derived_field_is_refused_naming_both(family, field, value, 
         assert piece in str(e.value)
 
 
-def test_qwen3_next_inert_fields_stay_refused_where_they_matter():
-    """The linear-attention / MoE defaults transformers writes are dropped only for a model
-    that has neither."""
+def test_qwen3_next_inert_fields_count_where_they_matter():
+    """The linear-attention / MoE defaults transformers writes are dropped for a model that
+    has neither, and read where a layer is linear attention / has experts."""
+    assert from_hf(raw("qwen3_next")).gdn is None
+    hybrid = raw("qwen3_next")
+    hybrid["layer_types"] = ["linear_attention", "full_attention"]
+    cfg = from_hf(hybrid)
+    assert cfg.linear_layers == (True, False, False)
+    assert (cfg.gdn.num_k_heads, cfg.gdn.num_v_heads, cfg.gdn.k_head_dim) == (16, 32, 128)
     bad = raw("qwen3_next")
-    bad["layer_types"] = ["linear_attention", "full_attention"]
-    with pytest.raises(ConfigError, match="linear"):
-        from_hf(bad)
-    bad = raw("qwen3_next")
-    bad["num_experts"] = 4
-    with pytest.raises(ConfigError, match="MoE"):
+    bad["num_experts"] = 4  # with transformers' moe_intermediate_size 0
+    with pytest.raises(ConfigError, match="moe_intermediate_size"):
         from_hf(bad)
 
 

@@ -12,7 +12,9 @@ Families (`ModelConfig.layout`):
 - ``mimo``          MiMo (Qwen2 target, QKV bias, ``model.mtp_layers.{i}.*``), hidden first.
 - ``deepseek_v3``   DeepSeek-V3 / R1 / V3.1: MLA or GQA, dense or MoE FFNs, FP8 blocks.
 - ``glm4_moe``      GLM-4.5 / 4.6 / 4.7: DeepSeek naming, GQA with QKV bias, partial RoPE.
-- ``qwen3_next``    Qwen3-Next naming (``mtp.{fc, pre_fc_norm_*, layers.N, norm}``), dense.
+- ``qwen3_next``    Qwen3-Next: Gated DeltaNet + gated attention, MoE, ``mtp.{fc, pre_fc_norm_*,
+                    layers.N, norm}``.
+- ``qwen3_5``       Qwen3.5 / 3.6 dense and MoE: Qwen3-Next's layers in a multimodal wrapper.
 - ``step3p5``       Step-3.5-Flash (``shared_head`` per MTP layer, sliding MTP layers).
 - ``mimo_v2_flash`` MiMo-V2-Flash (sinks, own sliding head counts, ``model.mtp.layers``).
 
@@ -50,6 +52,7 @@ from .glm4_moe_lite import Glm4MoeLite
 from .mimo import Mimo
 from .mimo_v2_flash import MimoV2Flash
 from .parse import read_config
+from .qwen3_5 import Qwen3_5
 from .qwen3_next import Qwen3Next
 from .step3p5 import Step3p5
 
@@ -61,6 +64,7 @@ FAMILIES = (
     Step3p5(),
     MimoV2Flash(),
     Glm4MoeLite(),
+    Qwen3_5(),
 )
 BY_MODEL_TYPE = {mt: f for f in FAMILIES for mt in f.model_types}
 BY_LAYOUT = {f.name: f for f in FAMILIES}

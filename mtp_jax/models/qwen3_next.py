@@ -22,10 +22,12 @@ Qwen3.5 (qwen3_5.py) differs in those and in its multimodal wrapper.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from ..config import ConfigError, GDNConfig, MoEConfig
 from .base import Family, MTPWiring
 from .fields import TRIVIAL
+from .parse import read_config
 from .tensors import gdn_entries, qwen_moe_entries, vector
 
 LINEAR_KEYS = ("linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim",
@@ -33,6 +35,7 @@ LINEAR_KEYS = ("linear_num_value_heads", "linear_num_key_heads", "linear_key_hea
 MOE_KEYS = ("num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
             "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob")
 LAYER_KINDS = ("linear_attention", "full_attention")
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 
 
 def _int(raw, key, default=None, minimum=1):
@@ -132,6 +135,9 @@ class Qwen3Next(Family):
         target = raw.get("num_hidden_layers")
         if not isinstance(target, int) or target < 1:
             return raw, {}  # the common parser names the bad field
+        if mtp_layers is not None:  # counted by the loader (config.json does not say)
+            raw.pop("mtp_num_hidden_layers", None)
+            raw["num_nextn_predict_layers"] = mtp_layers
         num_mtp = raw.get("mtp_num_hidden_layers", raw.get("num_nextn_predict_layers", 0))
         num_mtp = num_mtp if isinstance(num_mtp, int) and num_mtp >= 0 else 0
         extra: dict = {}
@@ -195,8 +201,17 @@ class Qwen3Next(Family):
         return super().ffn_entries(spec, d, path, prefix)
 
     def fit_to_checkpoint(self, cfg, names, path):
-        """Whether each MTP layer is MoE, as its tensors say (vLLM and transformers number
-        the MTP layer differently for `mlp_only_layers` / `decoder_sparse_step`)."""
+        """The MTP layer count where config.json leaves it out (the published Qwen3-Next
+        does): the `mtp.layers.{k}.` prefixes; and whether each MTP layer is MoE, as its
+        tensors say (vLLM and transformers number the MTP layer differently for
+        `mlp_only_layers` / `decoder_sparse_step`)."""
+        if not cfg.num_mtp_modules:
+            ks = {int(m.group(1)) for m in map(_MTP_LAYER.match, names) if m}
+            raw = read_config(path)
+            said = any(k in raw or k in (raw.get("text_config") or {})
+                       for k in ("mtp_num_hidden_layers", "num_nextn_predict_layers"))
+            if ks and not said:
+                cfg = self.parse(raw, mtp_layers=max(ks) + 1)
         m = cfg.moe
         if m is None or not cfg.num_mtp_modules:
             return cfg
