@@ -126,14 +126,16 @@ def oracle_model(cfg: ModelConfig, dtype, seed=0) -> Model:
             val = head
         elif path[-1] == "weight":  # norms
             val = jnp.ones(shape, dtype)
-        elif name in ("o", "down", "qkv_bias"):
-            val = jnp.zeros(shape, dtype)
-        elif name == "proj":  # hidden first in the MiMo concat: pass the embedding half
-            val = jnp.concatenate([jnp.zeros((d, d), dtype), eye], 0)
+        elif name in ("o", "down", "qkv_bias", "out_proj", "experts_down"):
+            val = jnp.zeros(shape, var.get_value().dtype)
+        elif name == "proj":  # pass the embedding half of the MTP concat
+            halves = [jnp.zeros((d, d), dtype), eye]
+            val = jnp.concatenate(halves if cfg.mtp_concat_order == "hidden_first"
+                                  else halves[::-1], 0)
         else:
             fan_in = shape[0]
             val = (jax.random.normal(jax.random.fold_in(key, 100 + i), shape, jnp.float32)
-                   * fan_in ** -0.5).astype(dtype)
+                   * fan_in ** -0.5).astype(var.get_value().dtype)
         var.set_value(val)
     return Model(cfg, graphdef, state)
 
@@ -186,8 +188,8 @@ def bench_programs(model, eng: EngineConfig, dtype, mesh=None, k=K,
     progs = {}
     for method in methods:
         spec = SpecConfig(method=method, num_speculative_tokens=k)
-        layout = make_layout(model.config, eng, spec.k, dtype, mtp_layers=spec.k,
-                             scales=model.kv_scales)
+        layout = make_layout(model.config, eng, spec.k, dtype,
+                             mtp_layers=spec.strategy.modules(spec.k), scales=model.kv_scales)
         static = Static(model.config, spec, eng, layout, mesh,
                         weights_quantized=mode_of(model.params) is not None)
         if mesh is None:
@@ -226,14 +228,19 @@ def verify_loop(model, layout, b, q, mesh=None, spread=False, options=None):
 
         def body(i, carry):
             caches, tok = carry
-            kv = PagedKV(layout, caches, st.block_tables, st.limit, mesh=mesh)
+            # linear-attention layers keep their state after each token, as a verify does
+            keep = q > 1 and bool(layout.linear)
+            kv = PagedKV(layout, caches, st.block_tables, st.limit, mesh=mesh, keep_states=keep)
             pos = st.length[:, None] - 1 + jnp.arange(q)
             toks = _tokens(tok, b, q, cfg.vocab_size, spread)
             normed, _ = m.target(toks, pos, kv.attend(pos, st.length + q - 1))
             logits = m.target.head(normed)
             # every row's argmax, as the step's acceptance reads them (one row alone would
             # let XLA slice the head's product down to that row)
-            return tuple(kv.caches), jnp.max(jnp.argmax(logits, -1), -1).astype(jnp.int32)
+            nxt = jnp.max(jnp.argmax(logits, -1), -1).astype(jnp.int32)
+            if keep:  # an accepted count known only from the logits, as in the step
+                kv.commit_states(nxt % q)
+            return tuple(kv.caches), nxt
 
         with use_mesh(mesh):
             return jax.lax.fori_loop(0, n, body, (caches, st.last_token))
@@ -241,8 +248,9 @@ def verify_loop(model, layout, b, q, mesh=None, spread=False, options=None):
 
 
 def draft_loop(model, layout, b, dtype, mesh=None, spread=False, k=K, options=None,
-               sampled=True):
-    """Jitted `f(params, caches, st, n)`: n `chain` drafts of k tokens over a k+1 window."""
+               sampled=True, strategy=CHAIN):
+    """Jitted `f(params, caches, st, n)`: n drafts of k tokens over a k+1 window (`chain`,
+    or the strategy given)."""
     cfg = model.config
 
     @functools.partial(jax.jit, donate_argnums=(1,), compiler_options=options or None)
@@ -257,7 +265,7 @@ def draft_loop(model, layout, b, dtype, mesh=None, spread=False, k=K, options=No
             pos = a[:, None] - k + jnp.arange(k + 1)
             toks = _tokens(tok, b, k + 1, cfg.vocab_size, spread)
             hid = jnp.zeros((b, k + 1, cfg.hidden_size), dtype) + tok[:, None, None].astype(dtype)
-            d, _ = draft(m, CHAIN, k, kv, toks, hid, pos, sp, sampled=sampled)
+            d, _ = draft(m, strategy, k, kv, toks, hid, pos, sp, sampled=sampled)
             return tuple(kv.caches), d[:, -1]
 
         with use_mesh(mesh):
