@@ -102,3 +102,17 @@ def test_mla_model_sharded_equals_unsharded(deepseek_result, mesh):
     assert r["w_uk_spec"][0] == "tp"  # query heads split, the latent cache replicated
     assert r["experts_spec"][0] == ("ep" if "ep" in mesh else None) and r["experts_equal"]
     assert r["prefill_rows"] == (4 if "dp" in mesh else 1)
+
+
+@pytest.fixture(scope="module")
+def qwen_result():
+    """The golden Qwen3-Next model (Gated DeltaNet + gated attention + MoE) over meshes."""
+    return run_on_8_devices("moe_sharded_equivalence.py", "qwen3_next")
+
+
+@pytest.mark.parametrize("mesh", ["ep=2,tp=2", "tp=2,dp=2"])
+def test_hybrid_linear_attention_model_sharded_equals_unsharded(qwen_result, mesh):
+    r = qwen_result["meshes"][mesh]
+    assert r["target_diff"] < 1e-5 and r["mtp_diff"] < 1e-5, r
+    assert all(r["equal"]), r
+    assert qwen_result["state_spec"][0] == "dp"  # the last mesh's: the slots over dp

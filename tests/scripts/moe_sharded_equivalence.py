@@ -1,7 +1,9 @@
 """Run on 8 fake CPU devices (the test sets XLA_FLAGS): an MoE (GLM-4.5 layout) model with
 experts split over `ep` (and their FFN dim over `tp`) against the same model on one device.
 With the argument `deepseek_v3`: the golden DeepSeek-V3 model (MLA: query heads over `tp`,
-the latent cache replicated; experts over `ep`) instead.
+the latent cache replicated; experts over `ep`) instead; with `qwen3_next`: the golden
+Qwen3-Next model (Gated DeltaNet layers: their per-slot states over `dp`, the rest as
+above).
 
 Prints one JSON object: per mesh, the largest logits difference of a full forward (target
 and MTP), whether the engine's greedy outputs equal the plain reference generator's, and
@@ -32,13 +34,17 @@ from mtp_jax.sharding import make_mesh, param_sharding, use_mesh  # noqa: E402
 assert len(jax.devices()) == 8, jax.devices()
 fewer_collections()
 DEEPSEEK = sys.argv[1:] == ["deepseek_v3"]
+QWEN = sys.argv[1:] == ["qwen3_next"]
+GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "golden")
 if DEEPSEEK:  # 16 experts in 4 groups, 2 shared, 2 dense layers, 4 MLA heads, YaRN
-    model = load(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "golden",
-                              "deepseek_v3_yarn"), dtype="float32")
+    model = load(os.path.join(GOLDEN, "deepseek_v3_yarn"), dtype="float32")
+elif QWEN:  # 3 linear + 1 gated full-attention layer, 8 experts, a dense layer, MTP MoE
+    model = load(os.path.join(GOLDEN, "qwen3_next_moe"), dtype="float32")
 else:  # 8 experts in 2 groups, a shared expert, a dense first layer, the MTP layer MoE too.
     model = moe_model(vocab_size=64, n_routed_experts=8, moe_intermediate_size=16)
 tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (4, 12)), jnp.int32)
-MOE_LAYER = model.config.moe.first_dense
+MOE_LAYER = next(i for i in range(model.config.num_layers)
+                 if model.config.moe.is_moe_layer(i))
 
 
 def forward(m, mesh):
@@ -66,6 +72,8 @@ with tempfile.TemporaryDirectory() as folder:
             "tp=2": ("chain", 1)}
     if DEEPSEEK:
         runs = {"tp=2": ("chain", 1), "ep=2,tp=2,dp=2": ("eagle", 2)}
+    if QWEN:
+        runs = {"ep=2,tp=2": ("eagle", 2), "tp=2,dp=2": ("chain", 1)}
     for spec, (method, k) in runs.items():
         mesh = make_mesh(spec)
         loaded = load(folder, shardings=param_sharding(mesh))
@@ -95,6 +103,9 @@ with tempfile.TemporaryDirectory() as folder:
         if DEEPSEEK:
             attn = flat[("target", "layers", 0, "attn", "w_uk")]
             out["meshes"][spec]["w_uk_spec"] = [x for x in attn.sharding.spec]
+    if QWEN:
+        st = eng.state.caches[0][1]  # the last engine's: a linear layer's recurrent state
+        out["state_spec"] = [x for x in st.sharding.spec]
     try:
         Engine(model, SpecConfig(method="none"), EngineConfig(max_batch=3, max_model_len=80),
                mesh=make_mesh("ep=3"))
