@@ -40,6 +40,7 @@ L2_EPS = 1e-6  # as pallas_kernels.gated_delta.L2_EPS (transformers' l2norm)
 # MIN_BLOCK_V): about two per SM of an H100 (132), so batch-1 decode fills the card.
 TARGET_PROGRAMS = 264
 MIN_BLOCK_V = 16
+MAX_BLOCK_V = 64
 
 
 def check_dims(dk, dv):
@@ -51,20 +52,21 @@ def check_dims(dk, dv):
 
 
 def recurrent_block_v(batch, num_heads, dv):
-  """Value columns per recurrent program: all of dv, halved while the grid has fewer than
+  """Value columns per recurrent program: MAX_BLOCK_V (a [128, 64] f32 state slice is 64
+  registers a thread over 4 warps), halved while the grid has fewer than
   TARGET_PROGRAMS programs (down to MIN_BLOCK_V). Each program moves dk * BV * 4 bytes
   of state each way, so narrower blocks cost nothing but the repeated q / k loads."""
-  block = dv
+  block = min(dv, MAX_BLOCK_V)
   while block > MIN_BLOCK_V and batch * num_heads * (dv // block) < TARGET_PROGRAMS:
     block //= 2
   return block
 
 
 def chunked_block_v(batch, num_heads, dv):
-  """Value columns per chunked program: 64 at most (the [dk, BV] f32 state and the
-  chunk's [C, BV] tiles in registers), halved to 32 while the grid is under a wave. Each
-  block repeats the chunk's triangular solve, so blocks stay wide."""
-  block = min(dv, 64)
+  """Value columns per chunked program: MAX_BLOCK_V at most (the [dk, BV] f32 state and
+  the chunk's [C, BV] tiles in registers), halved to 32 while the grid is under a wave.
+  Each block repeats the chunk's triangular solve, so blocks stay wide."""
+  block = min(dv, MAX_BLOCK_V)
   if block > 32 and batch * num_heads * (dv // block) < TARGET_PROGRAMS // 2:
     block //= 2
   return block
@@ -200,10 +202,12 @@ def _chunked_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, o_ref, st_ref, *, 
 @functools.partial(jax.jit, static_argnames=("chunk", "interpret", "block_v", "num_warps",
                                              "num_stages"))
 def gated_delta_chunked(q, k, v, g, beta, state, *, chunk=64, interpret=False, block_v=None,
-                        num_warps=4, num_stages=1):
+                        num_warps=8, num_stages=1):
   """The chunked kernel (module docstring): inputs and outputs as
   `pallas_kernels.gated_delta.gated_delta` without all_states. block_v: value columns
-  per program (default `chunked_block_v`)."""
+  per program (default `chunked_block_v`); 8 warps by default, as the chunk's [C, dk]
+  and [C, C] f32 tiles live in registers beside the state (untuned: no GPU was at hand
+  when this was written; launch/bench_gated_delta.py --sweep times the alternatives)."""
   batch, seq, kh, dk = q.shape
   hv, dv = v.shape[2:]
   check_dims(dk, dv)

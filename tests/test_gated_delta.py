@@ -265,7 +265,7 @@ def test_kernels_bf16_inputs(backend):
 
 def test_gpu_block_widths():
   from pallas_kernels.gated_delta_gpu import chunked_block_v, recurrent_block_v
-  assert recurrent_block_v(32, 48, 128) == 128      # 1536 programs: whole heads
+  assert recurrent_block_v(32, 48, 128) == 64       # 3072 programs of [128, 64]
   assert recurrent_block_v(1, 32, 128) == 16        # batch 1: 256 programs
   assert recurrent_block_v(1, 48, 128) == 16        # 192 programs: 384
   assert chunked_block_v(1, 32, 128) == 32 and chunked_block_v(32, 32, 128) == 64
