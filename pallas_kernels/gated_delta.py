@@ -18,7 +18,8 @@ with use_qk_l2norm_in_kernel=True computes it: q and k are L2-normalised over dk
 (x * rsqrt(sum(x * x) + 1e-6)) and q is scaled by dk ** -0.5; then per position
   S = S * exp(g_t);  delta = beta_t * (v_t - S^T k_t);  S = S + k_t delta^T;  out_t = S^T q_t.
 A position with g = 0 and beta = 0 leaves the state exactly as it was (S * 1 + k * 0):
-the engine masks padding tokens that way.
+the engine masks padding tokens that way. Such a position's q, k and v must still be
+finite (zeros will do): NaN * 0 is NaN, and would reach the state.
 
 The chunked form (transformers' `torch_chunk_gated_delta_rule`, chunk C = 64) computes
 the same thing with matmuls. Within a chunk, with c the cumulative sum of g from the

@@ -83,8 +83,8 @@ def _recurrent_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, o_ref, st_ref, *
   scale = dk ** -0.5
 
   def step(t, s):
-    q = _normalised(q_ref[t, :].astype(jnp.float32)[None, :], scale)[0]   # [dk]
-    k = _normalised(k_ref[t, :].astype(jnp.float32)[None, :])[0]
+    q = _normalised(q_ref[t, :].astype(jnp.float32), scale)               # [dk]
+    k = _normalised(k_ref[t, :].astype(jnp.float32))
     v = v_ref[t, :].astype(jnp.float32)                                   # [BV]
     s = s * jnp.exp(g_ref[t])
     kv_mem = jnp.sum(s * k[:, None], axis=0)

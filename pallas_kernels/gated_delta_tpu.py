@@ -78,18 +78,16 @@ def _lane(row, t):
 def _recurrent_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, o_ref, st_ref, *, seq,
                       all_states):
   dk = q_ref.shape[-1]
-  q = _normalised(q_ref[...].astype(jnp.float32), dk ** -0.5)     # [T, dk]
-  k = _normalised(k_ref[...].astype(jnp.float32))
-  v = v_ref[...].astype(jnp.float32)                               # [T, dv]
   g = g_ref[...]                                                   # [1, T]
   beta = b_ref[...]
   s = s_ref[...]                                                   # [dk, dv]
   for t in range(seq):
-    k_col = _column(k[t:t + 1])                                    # [dk, 1]
-    q_col = _column(q[t:t + 1])
+    at = pl.ds(t, 1)  # position t's row of q, k, v: [1, d]
+    q_col = _column(_normalised(q_ref[at, :].astype(jnp.float32), dk ** -0.5))  # [dk, 1]
+    k_col = _column(_normalised(k_ref[at, :].astype(jnp.float32)))
     s = s * jnp.exp(_lane(g, t))
     kv_mem = jnp.sum(s * k_col, axis=0, keepdims=True)             # [1, dv]
-    delta = (v[t:t + 1] - kv_mem) * _lane(beta, t)
+    delta = (v_ref[at, :].astype(jnp.float32) - kv_mem) * _lane(beta, t)
     s = s + k_col * delta
     o_ref[pl.ds(t, 1), :] = jnp.sum(s * q_col, axis=0, keepdims=True).astype(o_ref.dtype)
     if all_states:
