@@ -194,15 +194,33 @@ KERNEL_BACKENDS = ["gpu", "tpu"]
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
-@pytest.mark.parametrize("seq, all_states", [(1, False), (4, True)])
-def test_recurrent_kernel_matches_reference(backend, seq, all_states):
-  args = make_inputs(2, seq, seed=10 + seq)
+@pytest.mark.parametrize("seq, all_states, hk, hv", [
+    (1, False, HK, HV), (4, True, HK, HV),
+    (2, True, 1, 3)])  # three value heads a key head, as Qwen3.5's 16 / 48
+def test_recurrent_kernel_matches_reference(backend, seq, all_states, hk, hv):
+  args = make_inputs(2, seq, hk=hk, hv=hv, seed=10 + seq)
   out, st = gated_delta(*args, all_states=all_states, backend=backend, interpret=True)
   want_out, want_st = gated_delta_reference(*args, all_states=all_states)
   assert out.shape == want_out.shape and out.dtype == want_out.dtype
   assert st.shape == want_st.shape and st.dtype == jnp.float32
   assert max_diff(out, want_out) < 1e-5
   assert max_diff(st, want_st) < 1e-5
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_kernel_dispatch_by_length(backend):
+  """T = RECURRENT_MAX_T gives all_states (the recurrent kernel); one more position runs
+  the chunked kernel, which refuses all_states."""
+  short = make_inputs(1, gd.RECURRENT_MAX_T, seed=2)
+  _, states = gated_delta(*short, all_states=True, backend=backend, interpret=True)
+  _, want = gated_delta_reference(*short, all_states=True)
+  assert max_diff(states, want) < 1e-5
+  long = make_inputs(1, gd.RECURRENT_MAX_T + 1, seed=2)
+  with pytest.raises(ValueError, match="all_states"):
+    gated_delta(*long, all_states=True, backend=backend, interpret=True)
+  out, final = gated_delta(*long, backend=backend, interpret=True)
+  want_out, want_final = gated_delta_reference(*long)
+  assert max_diff(out, want_out) < 2e-5 and max_diff(final, want_final) < 2e-5
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
