@@ -144,7 +144,6 @@ def gated_delta_chunked_reference(q, k, v, g, beta, state, *, chunk=CHUNK):
   if not isinstance(chunk, int) or chunk < 1:
     raise ValueError(f"chunk must be a positive int, got {chunk!r}.")
   batch, seq, hv, dv = v.shape
-  dk = q.shape[3]
   qf, kf, vf, gf, bf = _prepared(q, k, v, g, beta)
   pad = -seq % chunk
   n = (seq + pad) // chunk

@@ -19,7 +19,11 @@ Chunked kernel: a fori_loop over the chunks of CHUNK positions carries the state
 per chunk it builds the decays, solves the unit lower-triangular WY system by doubling
 (`_unit_lower_inverse`) and applies the chunk with tensor-core dots. A T that is not a
 multiple of the chunk is zero padded by the wrapper (g = beta = 0 changes nothing).
-Dots run in IEEE f32 for f32 inputs and in TF32 (f32 accumulation) for bf16 inputs.
+Dots run in IEEE f32 for f32 inputs and in TF32 (f32 accumulation) for bf16 inputs:
+emulating TF32's input rounding on every dot of this algorithm (dk = dv = 128, 1024
+positions, random and nearly parallel keys alike) gives outputs within about 1e-3 of
+their scale, under the rounding of the bf16 output itself; the doubling inverse stays
+as accurate as the f32 one.
 
 Triton tiles are powers of two and tensor-core dots need dims >= 16, so the kernels take
 power-of-two dk and dv of at least 16 (ValueError otherwise).
