@@ -22,8 +22,8 @@ multiple of the chunk is zero padded by the wrapper (g = beta = 0 changes nothin
 Dots run in IEEE f32 for f32 inputs and in TF32 (f32 accumulation) for bf16 inputs:
 emulating TF32's input rounding on every dot of this algorithm (dk = dv = 128, 1024
 positions, random and nearly parallel keys alike) gives outputs within about 1e-3 of
-their scale, under the rounding of the bf16 output itself; the doubling inverse stays
-as accurate as the f32 one.
+their scale, under the rounding of the bf16 output itself, and nearly parallel keys
+lose no more than random ones (the doubling inverse does not amplify the rounding).
 
 Triton tiles are powers of two and tensor-core dots need dims >= 16, so the kernels take
 power-of-two dk and dv of at least 16 (ValueError otherwise).
