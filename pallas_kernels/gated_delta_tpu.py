@@ -8,9 +8,10 @@ tiles, where the op's [B, T, H, d] would need one-row blocks of a head) and g, b
 rows of positions; the outputs come back to the op's layout by an XLA transpose. The
 states keep their layout: a [dk, dv] state is a whole tile either way.
 
-Recurrent kernel: grid (batch row, value head); the [dk, dv] f32 state stays in VMEM /
-vregs for the T steps, unrolled (T <= RECURRENT_MAX_T). Each step is VPU work, exact
-f32: k and q are needed as columns (one value per sublane) against the state's rows and
+Recurrent kernel: grid (batch row, block of value heads: `recurrent_heads`); each
+head's [dk, dv] f32 state stays in VMEM / vregs for the T steps, unrolled (T <=
+RECURRENT_MAX_T), a fori_loop over the block's heads around them. Each step is VPU work,
+exact f32: k and q are needed as columns (one value per sublane) against the state's rows and
 arrive as rows, so `_column` turns a row into a column with a diagonal select and a lane
 reduction rather than a transpose; g_t and beta_t come out of their rows the same way.
 
@@ -33,6 +34,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 L2_EPS = 1e-6  # as pallas_kernels.gated_delta.L2_EPS (transformers' l2norm)
+# State bytes a recurrent program reads and writes (double-buffered: twice this in VMEM,
+# a quarter of v5e's 16 MiB default scoped VMEM): 16 heads of [128, 128] f32 in and out.
+STATE_BLOCK_BYTES = 2 << 20
 _HIGHEST = lax.Precision.HIGHEST
 
 
@@ -76,24 +80,42 @@ def _lane(row, t):
 
 
 def _recurrent_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, o_ref, st_ref, *, seq,
-                      all_states):
-  dk = q_ref.shape[-1]
-  g = g_ref[...]                                                   # [1, T]
-  beta = b_ref[...]
-  s = s_ref[...]                                                   # [dk, dv]
-  for t in range(seq):
-    at = pl.ds(t, 1)  # position t's row of q, k, v: [1, d]
-    q_col = _column(_normalised(q_ref[at, :].astype(jnp.float32), dk ** -0.5))  # [dk, 1]
-    k_col = _column(_normalised(k_ref[at, :].astype(jnp.float32)))
-    s = s * jnp.exp(_lane(g, t))
-    kv_mem = jnp.sum(s * k_col, axis=0, keepdims=True)             # [1, dv]
-    delta = (v_ref[at, :].astype(jnp.float32) - kv_mem) * _lane(beta, t)
-    s = s + k_col * delta
-    o_ref[pl.ds(t, 1), :] = jnp.sum(s * q_col, axis=0, keepdims=True).astype(o_ref.dtype)
-    if all_states:
-      st_ref[t] = s
-  if not all_states:
-    st_ref[...] = s
+                      group, all_states):
+  heads, dk = s_ref.shape[0], q_ref.shape[-1]
+
+  def head(i, carry):
+    kh = lax.div(i, group)  # this value head's key head within the block
+    g = g_ref[i]                                                   # [1, T]
+    beta = b_ref[i]
+    s = s_ref[i]                                                   # [dk, dv]
+    for t in range(seq):
+      at = pl.ds(t, 1)  # position t's row of q, k, v: [1, d]
+      q_col = _column(_normalised(q_ref[kh, at, :].astype(jnp.float32), dk ** -0.5))
+      k_col = _column(_normalised(k_ref[kh, at, :].astype(jnp.float32)))  # [dk, 1]
+      s = s * jnp.exp(_lane(g, t))
+      kv_mem = jnp.sum(s * k_col, axis=0, keepdims=True)           # [1, dv]
+      delta = (v_ref[i, at, :].astype(jnp.float32) - kv_mem) * _lane(beta, t)
+      s = s + k_col * delta
+      o_ref[i, at, :] = jnp.sum(s * q_col, axis=0, keepdims=True).astype(o_ref.dtype)
+      if all_states:
+        st_ref[t, i] = s
+    if not all_states:
+      st_ref[i] = s
+    return carry
+
+  lax.fori_loop(0, heads, head, 0)
+
+
+def recurrent_heads(kh, group, dk, dv, seq, all_states):
+  """Value heads per recurrent program: group * m for the largest m dividing Hk whose
+  state bytes (the state read, and the state or the T states written) fit
+  STATE_BLOCK_BYTES, at least one group. Each grid step costs a fixed overhead, so a
+  program takes many [dk, dv] states rather than one; whole groups, so that a program's
+  key heads are a contiguous block too."""
+  per_head = dk * dv * 4 * (1 + (seq if all_states else 1))
+  m = max([d for d in range(1, kh + 1)
+           if kh % d == 0 and group * d * per_head <= STATE_BLOCK_BYTES] or [1])
+  return group * m
 
 
 def _head_major(q, k, v, g, beta):
@@ -103,29 +125,35 @@ def _head_major(q, k, v, g, beta):
   return q, k, v, g, beta
 
 
-@functools.partial(jax.jit, static_argnames=("all_states", "interpret"))
-def gated_delta_recurrent(q, k, v, g, beta, state, *, all_states=False, interpret=False):
+@functools.partial(jax.jit, static_argnames=("all_states", "interpret", "heads"))
+def gated_delta_recurrent(q, k, v, g, beta, state, *, all_states=False, interpret=False,
+                          heads=None):
   """The recurrent kernel (module docstring): inputs and outputs as
-  `pallas_kernels.gated_delta.gated_delta`."""
+  `pallas_kernels.gated_delta.gated_delta`. heads: value heads per program, a multiple
+  of Hv // Hk dividing Hv (default `recurrent_heads`)."""
   batch, seq, kh, dk = q.shape
   hv, dv = v.shape[2:]
   check_dims(dk, dv)
   group = hv // kh
+  heads = heads or recurrent_heads(kh, group, dk, dv, seq, all_states)
+  if heads % group or hv % heads:
+    raise ValueError(f"heads={heads} must be a multiple of Hv // Hk = {group} dividing "
+                     f"Hv = {hv}.")
   q, k, v, g, beta = _head_major(q, k, v, g, beta)
-  qk_spec = pl.BlockSpec((None, None, seq, dk), lambda b, h: (b, h // group, 0, 0))
-  v_spec = pl.BlockSpec((None, None, seq, dv), lambda b, h: (b, h, 0, 0))
-  gb_spec = pl.BlockSpec((None, None, 1, seq), lambda b, h: (b, h, 0, 0))
-  s_spec = pl.BlockSpec((None, None, dk, dv), lambda b, h: (b, h, 0, 0))
+  qk_spec = pl.BlockSpec((None, heads // group, seq, dk), lambda b, j: (b, j, 0, 0))
+  v_spec = pl.BlockSpec((None, heads, seq, dv), lambda b, j: (b, j, 0, 0))
+  gb_spec = pl.BlockSpec((None, heads, 1, seq), lambda b, j: (b, j, 0, 0))
+  s_spec = pl.BlockSpec((None, heads, dk, dv), lambda b, j: (b, j, 0, 0))
   if all_states:
     st_shape = jax.ShapeDtypeStruct((batch, seq, hv, dk, dv), jnp.float32)
-    st_spec = pl.BlockSpec((None, seq, None, dk, dv), lambda b, h: (b, 0, h, 0, 0))
+    st_spec = pl.BlockSpec((None, seq, heads, dk, dv), lambda b, j: (b, 0, j, 0, 0))
   else:
     st_shape = jax.ShapeDtypeStruct(state.shape, jnp.float32)
     st_spec = s_spec
-  kernel = functools.partial(_recurrent_kernel, seq=seq, all_states=all_states)
+  kernel = functools.partial(_recurrent_kernel, seq=seq, group=group, all_states=all_states)
   out, states = pl.pallas_call(
       kernel,
-      grid=(batch, hv),
+      grid=(batch, hv // heads),
       in_specs=[qk_spec, qk_spec, v_spec, gb_spec, gb_spec, s_spec],
       out_specs=[v_spec, st_spec],
       out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype), st_shape],

@@ -281,6 +281,23 @@ def test_kernels_bf16_inputs(backend):
     assert max_diff(final, want_final) < 1e-4
 
 
+def test_tpu_kernel_head_blocks():
+  """Several programs a batch row, each a block of whole groups of value heads (the
+  key heads of block j are j * heads / group ...): one group a block, then two."""
+  from pallas_kernels import gated_delta_tpu
+  args = make_inputs(1, 2, hk=2, hv=6, seed=12)
+  want_out, want_st = gated_delta_reference(*args, all_states=True)
+  for heads in (3, 6):
+    out, st = gated_delta_tpu.gated_delta_recurrent(*args, all_states=True, interpret=True,
+                                                    heads=heads)
+    assert max_diff(out, want_out) < 1e-5 and max_diff(st, want_st) < 1e-5
+  with pytest.raises(ValueError, match="heads=4"):
+    gated_delta_tpu.gated_delta_recurrent(*args, interpret=True, heads=4)
+  assert gated_delta_tpu.recurrent_heads(16, 3, 128, 128, 1, False) == 12  # 4 groups
+  assert gated_delta_tpu.recurrent_heads(16, 2, 128, 128, 1, False) == 16
+  assert gated_delta_tpu.recurrent_heads(16, 3, 128, 128, 16, True) == 3
+
+
 def test_gpu_block_widths():
   from pallas_kernels.gated_delta_gpu import chunked_block_v, recurrent_block_v
   assert recurrent_block_v(32, 48, 128) == 64       # 3072 programs of [128, 64]
