@@ -32,10 +32,11 @@ so with T = (I + A)^-1, U = T (beta v) and W = T (beta exp(c) k):
   S     = exp(c_last) S0 + (exp(c_last - c) k)^T delta.
 Padding T up to a multiple of C with g = 0, beta = 0 and zero q, k, v changes nothing.
 
-Backends (`gated_delta`): T <= RECURRENT_MAX_T runs the recurrent kernel, one program
-per (batch row, value head, block of value columns) holding its slice of the state on
-chip for all T steps (decode T = 1, verify T = K + 1); longer T runs the chunked kernel
-(prefill), which cannot return the per-position states. See RECURRENT_MAX_T for the
+Backends (`gated_delta`): T <= RECURRENT_MAX_T runs the recurrent kernel, whose
+programs hold their states on chip for all T steps (decode T = 1, verify T = K + 1; GPU:
+a program a (batch row, value head, block of value columns), TPU: a program a (batch
+row, block of value heads)); longer T runs the chunked kernel (prefill), which carries
+the state across the chunks of a head and cannot return the per-position states. See RECURRENT_MAX_T for the
 threshold. 'reference' (what CPU resolves to) runs `gated_delta_reference` for short T
 and `gated_delta_chunked_reference` for long T.
 """
