@@ -10,10 +10,11 @@ states keep their layout: a [dk, dv] state is a whole tile either way.
 
 Recurrent kernel: grid (batch row, block of value heads: `recurrent_heads`); each
 head's [dk, dv] f32 state stays in VMEM / vregs for the T steps, unrolled (T <=
-RECURRENT_MAX_T), a fori_loop over the block's heads around them. Each step is VPU work,
-exact f32: k and q are needed as columns (one value per sublane) against the state's rows and
-arrive as rows, so `_column` turns a row into a column with a diagonal select and a lane
-reduction rather than a transpose; g_t and beta_t come out of their rows the same way.
+RECURRENT_MAX_T), a fori_loop over the block's heads around them. Each step is VPU
+work, exact f32: k and q are needed as columns (one value per sublane, against the
+state's rows) and arrive as rows, so `_column` turns a row into a column with a diagonal
+select and a lane reduction rather than a transpose; g_t and beta_t come out of their
+rows by a select and a reduction too (`_lane`).
 
 Chunked kernel: grid (batch row, value head, chunk), the chunk axis sequential
 ("arbitrary"): the state lives in a VMEM scratch across the chunks of a head, loaded
