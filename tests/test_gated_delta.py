@@ -320,3 +320,28 @@ def test_gpu_kernels_lower_to_triton(seq, all_states):
   text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   name = "gated_delta_recurrent_gpu" if seq == 1 or all_states else "gated_delta_chunked_gpu"
   assert name in text
+
+
+@pytest.mark.parametrize("seq, all_states", [(1, False), (4, True), (4096, False)])
+def test_tpu_kernels_lower_to_mosaic(monkeypatch, seq, all_states):
+  """The TPU kernels' Pallas -> Mosaic lowering (block shapes, ops) at the published head
+  shapes on this host, as a v5e: what TPU interpret mode does not check, short of
+  compiling on a TPU. Skipped where this jax keeps its chip table elsewhere."""
+  tpu_info = pytest.importorskip("jax._src.pallas.mosaic.tpu_info")
+  if not all(hasattr(tpu_info, n) for n in ("registry", "get_tpu_info", "ChipVersion",
+                                            "get_tpu_info_for_chip")):
+    pytest.skip("this jax has no TPU chip registry to stand in for the host")
+  monkeypatch.setitem(tpu_info.registry, jax.devices()[0].device_kind,
+                      lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1))
+  f = jax.ShapeDtypeStruct
+  batch, hk, hv, d = 2, 16, 48, 128
+  args = (f((batch, seq, hk, d), jnp.bfloat16), f((batch, seq, hk, d), jnp.bfloat16),
+          f((batch, seq, hv, d), jnp.bfloat16), f((batch, seq, hv), jnp.float32),
+          f((batch, seq, hv), jnp.float32), f((batch, hv, d, d), jnp.float32))
+  fn = jax.jit(lambda *a: gated_delta(*a, all_states=all_states, backend="tpu"))
+  try:
+    text = fn.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+  finally:
+    getattr(tpu_info.get_tpu_info, "cache_clear", lambda: None)()
+  name = "gated_delta_recurrent_tpu" if seq == 1 or all_states else "gated_delta_chunked_tpu"
+  assert name in text
