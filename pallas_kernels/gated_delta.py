@@ -18,7 +18,8 @@ with use_qk_l2norm_in_kernel=True computes it: q and k are L2-normalised over dk
 (x * rsqrt(sum(x * x) + 1e-6)) and q is scaled by dk ** -0.5; then per position
   S = S * exp(g_t);  delta = beta_t * (v_t - S^T k_t);  S = S + k_t delta^T;  out_t = S^T q_t.
 A position with g = 0 and beta = 0 leaves the state exactly as it was (S * 1 + k * 0):
-the engine masks padding tokens that way.
+the engine masks padding tokens that way. Such a position's q, k and v must still be
+finite (zeros will do): NaN * 0 is NaN, and would reach the state.
 
 The chunked form (transformers' `torch_chunk_gated_delta_rule`, chunk C = 64) computes
 the same thing with matmuls. Within a chunk, with c the cumulative sum of g from the
@@ -31,10 +32,11 @@ so with T = (I + A)^-1, U = T (beta v) and W = T (beta exp(c) k):
   S     = exp(c_last) S0 + (exp(c_last - c) k)^T delta.
 Padding T up to a multiple of C with g = 0, beta = 0 and zero q, k, v changes nothing.
 
-Backends (`gated_delta`): T <= RECURRENT_MAX_T runs the recurrent kernel, one program
-per (batch row, value head, block of value columns) holding its slice of the state on
-chip for all T steps (decode T = 1, verify T = K + 1); longer T runs the chunked kernel
-(prefill), which cannot return the per-position states. See RECURRENT_MAX_T for the
+Backends (`gated_delta`): T <= RECURRENT_MAX_T runs the recurrent kernel, whose
+programs hold their states on chip for all T steps (decode T = 1, verify T = K + 1; GPU:
+a program a (batch row, value head, block of value columns), TPU: a program a (batch
+row, block of value heads)); longer T runs the chunked kernel (prefill), which carries
+the state across the chunks of a head and cannot return the per-position states. See RECURRENT_MAX_T for the
 threshold. 'reference' (what CPU resolves to) runs `gated_delta_reference` for short T
 and `gated_delta_chunked_reference` for long T.
 """
@@ -143,7 +145,6 @@ def gated_delta_chunked_reference(q, k, v, g, beta, state, *, chunk=CHUNK):
   if not isinstance(chunk, int) or chunk < 1:
     raise ValueError(f"chunk must be a positive int, got {chunk!r}.")
   batch, seq, hv, dv = v.shape
-  dk = q.shape[3]
   qf, kf, vf, gf, bf = _prepared(q, k, v, g, beta)
   pad = -seq % chunk
   n = (seq + pad) // chunk

@@ -172,8 +172,176 @@ def _errors_cases():
   ]
 
 
-@pytest.mark.parametrize("backend", ["reference"])
+@pytest.mark.parametrize("backend", ["reference", "gpu", "tpu"])
 def test_errors_name_the_argument(backend):
   for name, args in _errors_cases():
     with pytest.raises(ValueError, match=name):
       gated_delta(*args, backend=backend, interpret=True)
+
+
+@pytest.mark.parametrize("backend, dk, dv, name", [
+    ("gpu", 24, 32, "dk=24"), ("gpu", 16, 8, "dv=8"), ("gpu", 16, 48, "dv=48"),
+    ("tpu", 12, 32, "dk=12"), ("tpu", 16, 4, "dv=4")])
+@pytest.mark.parametrize("seq", [1, 2 * gd.RECURRENT_MAX_T])
+def test_kernel_head_dims_are_checked(backend, dk, dv, name, seq):
+  args = make_inputs(1, seq, dk=dk, dv=dv)
+  with pytest.raises(ValueError, match=name):
+    gated_delta(*args, backend=backend, interpret=True)
+
+
+# ------------------------------------------------------------------------------ kernels
+KERNEL_BACKENDS = ["gpu", "tpu"]
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("seq, all_states, hk, hv", [
+    (1, False, HK, HV), (4, True, HK, HV),
+    (2, True, 1, 3)])  # three value heads a key head, as Qwen3.5's 16 / 48
+def test_recurrent_kernel_matches_reference(backend, seq, all_states, hk, hv):
+  args = make_inputs(2, seq, hk=hk, hv=hv, seed=10 + seq)
+  out, st = gated_delta(*args, all_states=all_states, backend=backend, interpret=True)
+  want_out, want_st = gated_delta_reference(*args, all_states=all_states)
+  assert out.shape == want_out.shape and out.dtype == want_out.dtype
+  assert st.shape == want_st.shape and st.dtype == jnp.float32
+  assert max_diff(out, want_out) < 1e-5
+  assert max_diff(st, want_st) < 1e-5
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_kernel_dispatch_by_length(backend):
+  """T = RECURRENT_MAX_T gives all_states (the recurrent kernel); one more position runs
+  the chunked kernel, which refuses all_states."""
+  short = make_inputs(1, gd.RECURRENT_MAX_T, seed=2)
+  _, states = gated_delta(*short, all_states=True, backend=backend, interpret=True)
+  _, want = gated_delta_reference(*short, all_states=True)
+  assert max_diff(states, want) < 1e-5
+  long = make_inputs(1, gd.RECURRENT_MAX_T + 1, seed=2)
+  with pytest.raises(ValueError, match="all_states"):
+    gated_delta(*long, all_states=True, backend=backend, interpret=True)
+  out, final = gated_delta(*long, backend=backend, interpret=True)
+  want_out, want_final = gated_delta_reference(*long)
+  assert max_diff(out, want_out) < 2e-5 and max_diff(final, want_final) < 2e-5
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_recurrent_kernel_masked_positions_leave_state_unchanged(backend):
+  args = masked_inputs(2, 4, [0, 2, 3], seed=4)
+  _, states = gated_delta(*args, all_states=True, backend=backend, interpret=True)
+  assert np.array_equal(np.asarray(states[:, 0]), np.asarray(args[-1]))
+  assert np.array_equal(np.asarray(states[:, 3]), np.asarray(states[:, 1]))
+  assert max_diff(states[:, 1], args[-1]) > 1e-2
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_chunked_kernel_matches_reference(backend):
+  seq = 128
+  args = make_inputs(1, seq, seed=7)
+  out, final = gated_delta(*args, backend=backend, interpret=True)
+  want_out, want_final = gated_delta_reference(*args)
+  assert out.shape == want_out.shape and final.shape == want_final.shape
+  assert max_diff(out, want_out) < 2e-5
+  assert max_diff(final, want_final) < 2e-5
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_chunked_kernel_pads_and_masks(backend):
+  """T not a multiple of the chunk (zero padded inside), masked positions inside and at
+  the end: the final state is the one of the unmasked prefix."""
+  args = masked_inputs(1, 70, [5, 67, 68, 69], seed=8)
+  out, final = gated_delta(*args, backend=backend, interpret=True)
+  want_out, want_final = gated_delta_reference(*args)
+  assert out.shape == (1, 70, HV, DV)
+  assert max_diff(out, want_out) < 2e-5 and max_diff(final, want_final) < 2e-5
+  _, prefix = gated_delta_reference(*(x[:, :67] for x in args[:5]), args[5])
+  assert max_diff(final, prefix) < 2e-5
+
+
+def test_gpu_kernels_split_value_columns():
+  """Several value-column blocks a head (each program its own slice of the state)."""
+  from pallas_kernels import gated_delta_gpu
+  args = make_inputs(1, 3, seed=5)
+  want_out, want_st = gated_delta_reference(*args, all_states=True)
+  out, st = gated_delta_gpu.gated_delta_recurrent(*args, all_states=True, interpret=True,
+                                                  block_v=16)
+  assert max_diff(out, want_out) < 1e-5 and max_diff(st, want_st) < 1e-5
+  args = make_inputs(1, 64, seed=6)
+  want_out, want_final = gated_delta_reference(*args)
+  out, final = gated_delta_gpu.gated_delta_chunked(*args, interpret=True, block_v=16)
+  assert max_diff(out, want_out) < 2e-5 and max_diff(final, want_final) < 2e-5
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_kernels_bf16_inputs(backend):
+  for seq in (3, 64):
+    args = make_inputs(1, seq, dtype=jnp.bfloat16, seed=9)
+    out, final = gated_delta(*args, backend=backend, interpret=True)
+    want_out, want_final = gated_delta_reference(*args)
+    assert out.dtype == jnp.bfloat16 and final.dtype == jnp.float32
+    assert max_diff(out, want_out) < 2e-2
+    assert max_diff(final, want_final) < 1e-4
+
+
+def test_tpu_kernel_head_blocks():
+  """Several programs a batch row, each a block of whole groups of value heads (the
+  key heads of block j are j * heads / group ...): one group a block, then two."""
+  from pallas_kernels import gated_delta_tpu
+  args = make_inputs(1, 2, hk=2, hv=6, seed=12)
+  want_out, want_st = gated_delta_reference(*args, all_states=True)
+  for heads in (3, 6):
+    out, st = gated_delta_tpu.gated_delta_recurrent(*args, all_states=True, interpret=True,
+                                                    heads=heads)
+    assert max_diff(out, want_out) < 1e-5 and max_diff(st, want_st) < 1e-5
+  with pytest.raises(ValueError, match="heads=4"):
+    gated_delta_tpu.gated_delta_recurrent(*args, interpret=True, heads=4)
+  assert gated_delta_tpu.recurrent_heads(16, 3, 128, 128, 1, False) == 12  # 4 groups
+  assert gated_delta_tpu.recurrent_heads(16, 2, 128, 128, 1, False) == 16
+  assert gated_delta_tpu.recurrent_heads(16, 3, 128, 128, 16, True) == 3
+
+
+def test_gpu_block_widths():
+  from pallas_kernels.gated_delta_gpu import chunked_block_v, recurrent_block_v
+  assert recurrent_block_v(32, 48, 128) == 64       # 3072 programs of [128, 64]
+  assert recurrent_block_v(1, 32, 128) == 16        # batch 1: 256 programs
+  assert recurrent_block_v(1, 48, 128) == 16        # 192 programs: 384
+  assert chunked_block_v(1, 32, 128) == 32 and chunked_block_v(32, 32, 128) == 64
+
+
+@pytest.mark.parametrize("seq, all_states", [(1, False), (4, True), (4096, False)])
+def test_gpu_kernels_lower_to_triton(seq, all_states):
+  """The GPU kernels' Triton lowering at the published head shapes (Hk 16, Hv 32, dk =
+  dv = 128, bf16) on any host: what interpret mode does not cover, short of compiling
+  PTX on a GPU."""
+  f = jax.ShapeDtypeStruct
+  batch, hk, hv, d = 2, 16, 32, 128
+  args = (f((batch, seq, hk, d), jnp.bfloat16), f((batch, seq, hk, d), jnp.bfloat16),
+          f((batch, seq, hv, d), jnp.bfloat16), f((batch, seq, hv), jnp.float32),
+          f((batch, seq, hv), jnp.float32), f((batch, hv, d, d), jnp.float32))
+  fn = jax.jit(lambda *a: gated_delta(*a, all_states=all_states, backend="gpu"))
+  text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  name = "gated_delta_recurrent_gpu" if seq == 1 or all_states else "gated_delta_chunked_gpu"
+  assert name in text
+
+
+@pytest.mark.parametrize("seq, all_states", [(1, False), (4, True), (4096, False)])
+def test_tpu_kernels_lower_to_mosaic(monkeypatch, seq, all_states):
+  """The TPU kernels' Pallas -> Mosaic lowering (block shapes, ops) at the published head
+  shapes on this host, as a v5e: what TPU interpret mode does not check, short of
+  compiling on a TPU. Skipped where this jax keeps its chip table elsewhere."""
+  tpu_info = pytest.importorskip("jax._src.pallas.mosaic.tpu_info")
+  if not all(hasattr(tpu_info, n) for n in ("registry", "get_tpu_info", "ChipVersion",
+                                            "get_tpu_info_for_chip")):
+    pytest.skip("this jax has no TPU chip registry to stand in for the host")
+  monkeypatch.setitem(tpu_info.registry, jax.devices()[0].device_kind,
+                      lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1))
+  f = jax.ShapeDtypeStruct
+  batch, hk, hv, d = 2, 16, 48, 128
+  args = (f((batch, seq, hk, d), jnp.bfloat16), f((batch, seq, hk, d), jnp.bfloat16),
+          f((batch, seq, hv, d), jnp.bfloat16), f((batch, seq, hv), jnp.float32),
+          f((batch, seq, hv), jnp.float32), f((batch, hv, d, d), jnp.float32))
+  fn = jax.jit(lambda *a: gated_delta(*a, all_states=all_states, backend="tpu"))
+  try:
+    text = fn.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+  finally:
+    getattr(tpu_info.get_tpu_info, "cache_clear", lambda: None)()
+  name = "gated_delta_recurrent_tpu" if seq == 1 or all_states else "gated_delta_chunked_tpu"
+  assert name in text
