@@ -114,35 +114,38 @@ def expert_bytes(cfg: ModelConfig, b: int, q: int) -> int:
     return int(moe_layers * distinct * per)
 
 
-def bench(cfg: ModelConfig, b: int, ctx: int, steps: int, acceptance, bw: float) -> dict:
+def bench(cfg: ModelConfig, b: int, ctxs, steps: int, acceptance, bw: float,
+          methods=(("none", 0), ("chain", 1), ("eagle", 3)), qs=(1, 2, 4)) -> list:
+    """Rows for batch b at each context: one model and one set of programs for all."""
     dtype = jnp.dtype(cfg.dtype)
     t0 = time.perf_counter()
     model = oracle_model(cfg, dtype)
     jax.block_until_ready(model.params)
-    eng = EngineConfig(max_batch=b, max_model_len=ctx + steps * 16 + 64, page_size=16,
+    eng = EngineConfig(max_batch=b, max_model_len=max(ctxs) + steps * 16 + 64, page_size=16,
                        prefill_chunk=16)
     sampled = not greedy_steps(eng)
     p = model.params
-    row = dict(layers=cfg.num_layers, batch=b, ctx=ctx)
+    rows = {ctx: dict(layers=cfg.num_layers, batch=b, ctx=ctx) for ctx in ctxs}
     tw = weight_bytes(model, ("target",))
     if cfg.moe is not None:  # only the routed experts the step's tokens pick are read
-        all_experts = sum(weight_bytes(model, ("target", "layers", i, "mlp", name))
-                          for i in range(cfg.num_layers) if cfg.moe.is_moe_layer(i)
-                          for name in ("experts_gate_up", "experts_down"))
-        tw = tw - all_experts
-    for method, k in (("none", 0), ("chain", 1), ("eagle", 3)):
+        tw -= sum(weight_bytes(model, ("target", "layers", i, "mlp", name))
+                  for i in range(cfg.num_layers) if cfg.moe.is_moe_layer(i)
+                  for name in ("experts_gate_up", "experts_down"))
+    for method, k in methods:
         progs = bench_programs(model, eng, dtype, methods=(method,), k=max(k, 1))
         prog = progs[method].steps(progs[method].static.k, sampled)
-        holder = {"st": jax.block_until_ready(prog(p, fresh_state(progs[method], model, b, ctx,
-                                                                  dtype), jnp.int32(1)))}
+        loops = ({q: verify_loop(model, progs[method].static.layout, b, q) for q in qs}
+                 if method == "none" else {})
+        for ctx in ctxs:
+            row = rows[ctx]
+            holder = {"st": jax.block_until_ready(
+                prog(p, fresh_state(progs[method], model, b, ctx, dtype), jnp.int32(1)))}
 
-        def run():
-            holder["st"] = jax.block_until_ready(prog(p, holder["st"], jnp.int32(steps)))
-        row[f"{method}{k}_step_ms"] = timed(run)[0] / steps * 1e3
-        if method == "none":
-            layout = progs[method].static.layout
-            for q in (1, 2, 4):
-                loop = verify_loop(model, layout, b, q)
+            def run():
+                holder["st"] = jax.block_until_ready(prog(p, holder["st"], jnp.int32(steps)))
+            row[f"{method}{k}_step_ms"] = timed(run)[0] / steps * 1e3
+            del holder
+            for q, loop in loops.items():
                 st = fresh_state(progs[method], model, b, ctx, dtype)
                 caches, st = st.caches, st.replace(caches=())
                 h = {"c": jax.block_until_ready(loop(p, caches, st, 1))[0]}
@@ -150,22 +153,28 @@ def bench(cfg: ModelConfig, b: int, ctx: int, steps: int, acceptance, bw: float)
                 def run_v(loop=loop, st=st, h=h):
                     h["c"] = jax.block_until_ready(loop(p, h["c"], st, steps))[0]
                 row[f"verify{q}_ms"] = timed(run_v)[0] / steps * 1e3
-        del holder, progs
-    plain = tw + expert_bytes(cfg, b, 1) + kv_bytes(cfg, b, ctx) + 2 * state_bytes(cfg, b)
-    row["plain_bytes"] = plain
-    row["plain_limit_ms"] = plain / bw * 1e3
-    row["plain_pct_of_limit"] = 100 * row["plain_limit_ms"] / row["none0_step_ms"]
-    row["state_bytes_per_step"] = 2 * state_bytes(cfg, b)
-    for q in (2, 4):
-        row[f"verify{q}_over_plain"] = row[f"verify{q}_ms"] / row["verify1_ms"]
-    if acceptance:
-        row["projected_chain1_speedup"] = (1 + acceptance[0]) * row["none0_step_ms"] / row[
-            "chain1_step_ms"]
-        row["projected_eagle3_speedup"] = (1 + sum(acceptance[:3])) * row["none0_step_ms"] / row[
-            "eagle3_step_ms"]
-    row["seconds"] = time.perf_counter() - t0
+                del h
+            log(f"  B={b} ctx={ctx} {method} K={k}: {row[f'{method}{k}_step_ms']:.3f} ms")
+        del progs, loops
+    out = []
+    for ctx, row in rows.items():
+        plain = tw + expert_bytes(cfg, b, 1) + kv_bytes(cfg, b, ctx) + 2 * state_bytes(cfg, b)
+        row["plain_bytes"] = plain
+        row["plain_limit_ms"] = plain / bw * 1e3
+        row["plain_pct_of_limit"] = 100 * row["plain_limit_ms"] / row["none0_step_ms"]
+        row["state_bytes_per_step"] = 2 * state_bytes(cfg, b)
+        for q in qs[1:]:
+            row[f"verify{q}_over_plain"] = row[f"verify{q}_ms"] / row["verify1_ms"]
+        if acceptance and "chain1_step_ms" in row:
+            row["projected_chain1_speedup"] = (1 + acceptance[0]) * row["none0_step_ms"] / row[
+                "chain1_step_ms"]
+        if acceptance and "eagle3_step_ms" in row:
+            row["projected_eagle3_speedup"] = (1 + sum(acceptance[:3])) * row[
+                "none0_step_ms"] / row["eagle3_step_ms"]
+        row["seconds"] = time.perf_counter() - t0
+        out.append(row)
     del model
-    return row
+    return out
 
 
 def main(argv=None):
@@ -179,6 +188,8 @@ def main(argv=None):
     ap.add_argument("--skip", default="", help="comma list of BxCTX rows to leave out "
                     "(e.g. 32x32768 where it does not fit)")
     ap.add_argument("--acceptance", default="checkpoints/acceptance_bf16.json")
+    ap.add_argument("--methods", default="none:0,chain:1,eagle:3",
+                    help="step programs timed, method:K (none:0 is the plain step)")
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args(argv)
     acceptance = None
@@ -197,25 +208,27 @@ def main(argv=None):
     skip = set(args.skip.split(",")) - {""}
     out = os.environ.get("OUT")
     rows = []
+    methods = [(m, int(k)) for m, k in (x.split(":") for x in args.methods.split(","))]
     for b in [int(x) for x in args.batches.split(",")]:
-        for ctx in [int(x) for x in args.ctxs.split(",")]:
-            if f"{b}x{ctx}" in skip:
-                continue
-            got = [bench(sliced(base, n), b, ctx, args.steps, acceptance, bw) for n in slices]
-            row = dict(got[-1], shape="tiny" if args.tiny else args.shape, device=dev.device_kind)
-            if len(got) == 2:  # extrapolate each time to the whole model
-                (a, c), n0, n1 = got, slices[0], slices[1]
+        ctxs = [int(x) for x in args.ctxs.split(",") if f"{b}x{x}" not in skip]
+        got = [bench(sliced(base, n), b, ctxs, args.steps, acceptance, bw, methods)
+               for n in slices]
+        for i, ctx in enumerate(ctxs):
+            row = dict(got[-1][i], shape="tiny" if args.tiny else args.shape,
+                       device=dev.device_kind)
+            if len(got) == 2:  # extrapolate each time and byte count to the whole model
+                a, c, n0, n1 = got[0][i], got[1][i], slices[0], slices[1]
                 full = ModelConfig(**base).num_layers
                 for key in [x for x in a if x.endswith("_ms") or x.endswith("_bytes")
                             or x == "state_bytes_per_step"]:
-                    per = (c[key] - a[key]) / (n1 - n0)
-                    row[key] = a[key] + (full - n0) * per
+                    row[key] = a[key] + (full - n0) * (c[key] - a[key]) / (n1 - n0)
                 row["layers"] = full
                 row["plain_limit_ms"] = row["plain_bytes"] / bw * 1e3
                 row["plain_pct_of_limit"] = 100 * row["plain_limit_ms"] / row["none0_step_ms"]
                 row["extrapolated_from_layers"] = slices
                 for q in (2, 4):
-                    row[f"verify{q}_over_plain"] = row[f"verify{q}_ms"] / row["verify1_ms"]
+                    if f"verify{q}_ms" in row:
+                        row[f"verify{q}_over_plain"] = row[f"verify{q}_ms"] / row["verify1_ms"]
             log(json.dumps(row))
             rows.append(row)
             if out:
@@ -223,13 +236,14 @@ def main(argv=None):
                     f.write(json.dumps(row) + "\n")
     log("| shape | B | ctx | plain ms (limit, %) | verify(2) / plain | verify(4) / plain | "
         "chain K=1 ms | eagle K=3 ms | projected x (chain1, eagle3) |")
+    nan = float("nan")
     for r in rows:
         log(f"| {r['shape']} | {r['batch']} | {r['ctx']} | {r['none0_step_ms']:.2f} "
             f"({r['plain_limit_ms']:.2f}, {r['plain_pct_of_limit']:.0f} %) | "
-            f"{r['verify2_over_plain']:.2f} | {r['verify4_over_plain']:.2f} | "
-            f"{r['chain1_step_ms']:.2f} | {r['eagle3_step_ms']:.2f} | "
-            f"{r.get('projected_chain1_speedup', float('nan')):.2f}, "
-            f"{r.get('projected_eagle3_speedup', float('nan')):.2f} |")
+            f"{r.get('verify2_over_plain', nan):.2f} | {r.get('verify4_over_plain', nan):.2f} | "
+            f"{r.get('chain1_step_ms', nan):.2f} | {r.get('eagle3_step_ms', nan):.2f} | "
+            f"{r.get('projected_chain1_speedup', nan):.2f}, "
+            f"{r.get('projected_eagle3_speedup', nan):.2f} |")
 
 
 if __name__ == "__main__":
