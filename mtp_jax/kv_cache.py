@@ -39,6 +39,7 @@ from pallas_kernels.common import resolve_backend
 from pallas_kernels.paged_attention import paged_attention
 
 from .config import ConfigError, EngineConfig, ModelConfig
+from .dsa import index_dim, paged_sparse_mla, paged_topk
 from .model import cache_entry
 from .pages import PageAllocator  # noqa: F401  (host-side, jax-free; re-exported)
 from .quant import FP8_KV_DTYPE, latent_row_scale
@@ -67,6 +68,9 @@ class KVLayout:
     # times its head's scale is the key / value (calibration.calibrate_kv_scales). A latent
     # layer: ((latent scale, rope scale), ()), for the row's two parts
     scales: Optional[tuple] = None
+    # DeepSeek Sparse Attention: per layer, the index-key dims a token caches in an array of
+    # its own after the latent row's, [1, pages, page_size, dims] (0: none; empty: no layer)
+    index_dims: tuple = ()
 
     @property
     def arrays_per_layer(self) -> int:
@@ -87,7 +91,10 @@ class KVLayout:
         heads, dims, v_dims = self.layer_dims[layer]
         pages = self.groups[self.layer_group[layer]].num_pages
         k = (heads, pages, self.page_size, dims)
-        return (k,) if self.latent else (k, (heads, pages, self.page_size, v_dims))
+        shapes = (k,) if self.latent else (k, (heads, pages, self.page_size, v_dims))
+        if self.index_dims and self.index_dims[layer]:
+            shapes += ((1, pages, self.page_size, self.index_dims[layer]),)
+        return shapes
 
     def pages_for(self, group: int, tokens: int) -> int:
         g = self.groups[group]
@@ -96,14 +103,16 @@ class KVLayout:
     def bytes_per_page(self, group: int = 0) -> int:
         """Bytes one page id of `group` holds over all the group's layers."""
         return page_bytes(self.layer_dims, [g == group for g in self.layer_group],
-                          self.page_size, self.dtype)
+                          self.page_size, self.dtype, self.index_dims)
 
 
-def page_bytes(layer_dims, members, page_size: int, dtype) -> int:
+def page_bytes(layer_dims, members, page_size: int, dtype, index_dims=()) -> int:
     """Bytes of one page id over the layers flagged in `members` (k and v, or a latent
-    row, per layer)."""
+    row, per layer, and a DSA layer's index keys)."""
+    index_dims = index_dims or (0,) * len(layer_dims)
     return page_size * jnp.dtype(dtype).itemsize * sum(
-        heads * (dims + v_dims) for (heads, dims, v_dims), m in zip(layer_dims, members) if m)
+        heads * (dims + v_dims) + idx for (heads, dims, v_dims), idx, m
+        in zip(layer_dims, index_dims, members) if m)
 
 
 def make_layout(cfg: ModelConfig, eng: EngineConfig, k: int, dtype, *,
@@ -131,9 +140,14 @@ def make_layout(cfg: ModelConfig, eng: EngineConfig, k: int, dtype, *,
     entries = [cache_entry(cfg, i) for i in range(len(windows))]
     latent = entries[0][3]
     layer_dims = tuple(e[:3] for e in entries)
+    index_dims = tuple(index_dim(cfg, i) for i in range(len(windows)))
+    index_dims = index_dims if any(index_dims) else ()
+    if index_dims and scales is not None:
+        raise ConfigError("kv_dtype='fp8' with DeepSeek Sparse Attention (index_topk) is not "
+                          "implemented: its index keys have no fp8 scales yet")
     groups = []
     for w in [None] + kinds:
-        group_bytes = page_bytes(layer_dims, [x == w for x in windows], ps, dtype)
+        group_bytes = page_bytes(layer_dims, [x == w for x in windows], ps, dtype, index_dims)
         if w is None:
             per_req = math.ceil((eng.max_model_len + k) / ps)
             ring = 0
@@ -151,7 +165,7 @@ def make_layout(cfg: ModelConfig, eng: EngineConfig, k: int, dtype, *,
     return KVLayout(page_size=ps, width=width, groups=tuple(groups),
                     layer_group=tuple(kind_index[w] for w in windows),
                     layer_dims=layer_dims, dtype=jnp.dtype(dtype).name, latent=latent,
-                    scales=scales)
+                    scales=scales, index_dims=index_dims)
 
 
 def check_kernels(layout: KVLayout, eng: EngineConfig, cfg: ModelConfig) -> None:
@@ -273,17 +287,63 @@ class PagedKV:
         slots = [slot_mapping(bt, positions, self.layout.page_size, self.limit)
                  for bt in self.block_tables]
 
-        def attend(layer, q, k, v, window, *, sm_scale=None, v_dim=None, sinks=None):
+        selected = {}  # DSA: the last layer's selection, for a layer that reuses it
+
+        def attend(layer, q, k, v, window, *, sm_scale=None, v_dim=None, sinks=None,
+                   index=None):
             g = self.layout.layer_group[layer]
             if (v is None) != self.layout.latent:
                 raise ValueError("latent attention needs a latent KV layout, and only it")
             scales = self._scales(layer)
-            pages = self._write(self.caches[layer], k, v, slots[g], scales, v_dim)
+            cache = self.caches[layer]
+            if index is not None:  # DeepSeek Sparse Attention (dsa.py)
+                return self._attend_sparse(layer, q, k, index, slots[g], self.block_tables[g],
+                                           kv_lens, sm_scale, v_dim, selected)
+            pages = self._write(cache, k, v, slots[g], scales, v_dim)
             self.caches[layer] = pages
             return self._attend(q, pages, self.block_tables[g], kv_lens, window, sm_scale,
                                 v_dim, sinks, scales)
 
         return attend
+
+    def _attend_sparse(self, layer, q, kv, index, slots, table, kv_lens, sm_scale, v_dim,
+                       selected):
+        """A DSA layer: the latent row and (with its own indexer) the index key written, then
+        MLA over the tokens the indexer selects per query row (dsa.paged_topk), or over every
+        visible token when no row can see more than index_topk of them (the table's width
+        bounds that statically), or over the previous layer's selection (a shared layer)."""
+        cache = self.caches[layer]
+        pages = self._write(cache[:1], kv, None, slots, (), v_dim)
+        if not index.shared:
+            pages += self._write(cache[1:], index.k[:, :, None], None, slots, (), None)
+        self.caches[layer] = pages
+        if index.topk >= table.shape[1] * self.layout.page_size:
+            return self._attend(q, pages[:1], table, kv_lens, None, sm_scale, v_dim, None, ())
+        dp = self.dp
+        if index.shared:
+            if "last" not in selected:
+                raise ValueError("a layer sharing its indexer's selection needs a layer with "
+                                 "an indexer before it in the same forward")
+            indices = selected["last"]
+        else:
+            def topk(q_i, w, k_pages, table, kv_lens):
+                return paged_topk(dataclasses.replace(index, q=q_i, w=w), k_pages[0], table,
+                                  kv_lens, backend=self.backend)
+
+            fn = shard_kernel(topk, self.mesh, (P(dp, None, None, None), P(dp, None, None),
+                                                P(None, None, None, None), P(dp, None),
+                                                P(dp)), P(dp, None, None))
+            indices = selected["last"] = fn(index.q, index.w, pages[1], table, kv_lens)
+        heads = kv_heads_axis(self.mesh, q.shape[2])
+
+        def attn(q, kv, table, indices):
+            return paged_sparse_mla(q, kv[0], table, indices, v_dim=v_dim, sm_scale=sm_scale,
+                                    backend=self.backend)
+
+        rows = P(dp, None, heads, None)
+        fn = shard_kernel(attn, self.mesh, (rows, P(None, None, None, None), P(dp, None),
+                                            P(dp, None, None)), rows)
+        return fn(q, pages[0], table, indices)
 
 
 __all__ = ["DROP_SLOT", "KVGroup", "KVLayout", "make_layout", "init_caches", "PageAllocator",

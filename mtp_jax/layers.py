@@ -155,12 +155,13 @@ class MLP(nnx.Module):
 
 # ----------------------------------------------------------------- plain attention
 def dense_attention(q, k, v, q_pos, k_pos, k_valid, window, sm_scale=None, v_dim=None,
-                    sinks=None):
+                    sinks=None, select=None):
     """Reference attention on dense keys: q [b,t,n,h], k [b,s,k,h], v [b,s,k,u].
 
     Query at position p sees keys with k_pos <= p (and > p - window), where k_valid.
     v None: the values are k[..., :v_dim] (latent attention). sinks [n]: a per-head logit
-    in the softmax denominator that carries no value.
+    in the softmax denominator that carries no value. select [b, t, s] bool: the keys each
+    query may see at all (DeepSeek Sparse Attention's selection, dsa.py); None: every key.
     """
     if v is None:
         v = k[..., :v_dim]
@@ -173,6 +174,8 @@ def dense_attention(q, k, v, q_pos, k_pos, k_valid, window, sm_scale=None, v_dim
     mask = (k_pos[:, None, :] <= q_pos[:, :, None]) & k_valid[:, None, :]
     if window is not None:
         mask &= k_pos[:, None, :] > q_pos[:, :, None] - window
+    if select is not None:
+        mask &= select
     mask = mask[:, None, None]
     s = jnp.where(mask, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
@@ -192,9 +195,16 @@ def dense_attention(q, k, v, q_pos, k_pos, k_valid, window, sm_scale=None, v_dim
 def causal_attend(positions):
     """Backend for a full-sequence forward with no cache (training, tests)."""
     valid = jnp.ones(positions.shape, bool)
+    selected = {}  # DSA: the last selection, for a layer that reuses it
 
-    def attend(layer, q, k, v, window, *, sm_scale=None, v_dim=None, sinks=None):
+    def attend(layer, q, k, v, window, *, sm_scale=None, v_dim=None, sinks=None, index=None):
+        select = None
+        if index is not None:  # DeepSeek Sparse Attention (dsa.py)
+            from .dsa import dense_selection
+            visible = positions[:, None, :] <= positions[:, :, None]
+            select = selected["last"] = dense_selection(index, index.k, visible,
+                                                        selected.get("last"))
         return dense_attention(q, k, v, positions, positions, valid, window, sm_scale, v_dim,
-                               sinks)
+                               sinks, select)
 
     return attend
