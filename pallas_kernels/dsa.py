@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.common import FP8_DTYPE, check_positive_ints, resolve_backend
+from pallas_kernels.common import FP8_DTYPE, check_positive_ints, next_pow2, resolve_backend
 from pallas_kernels.paged_mla import scale_queries
 
 BACKEND_ENV_VAR = "MTP_JAX_DSA_BACKEND"
@@ -182,9 +182,9 @@ def _lax_topk(scores, topk):
   values, idx = lax.top_k(scores, topk)
   idx = jnp.where(values == -jnp.inf, -1, idx).astype(jnp.int32)
   # Ascending positions, the -1 padding last.
-  key = jnp.where(idx < 0, jnp.iinfo(jnp.int32).max, idx)
-  return jnp.where(jnp.sort(key, axis=-1) == jnp.iinfo(jnp.int32).max, -1,
-                   jnp.sort(key, axis=-1))
+  big = jnp.iinfo(jnp.int32).max
+  idx = jnp.sort(jnp.where(idx < 0, big, idx), axis=-1)
+  return jnp.where(idx == big, -1, idx)
 
 
 @functools.partial(jax.jit, static_argnames=("topk",))
@@ -235,6 +235,366 @@ def sparse_mla_reference(q, kv_pages, block_table, indices, *, v_dim, sm_scale,
   return o.astype(q.dtype)
 
 
+# -------------------------------------------------------------------------------- top-k
+def _ordered_keys(scores):
+  """uint32 keys in the order of the f32 scores (-inf lowest; NaN above +inf)."""
+  bits = lax.bitcast_convert_type(scores.astype(jnp.float32), jnp.uint32)
+  negative = (bits >> 31) == 1
+  return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _exclusive_count(mask, chunk=128):
+  """[R, N] bool -> [R, N] int32: how many of mask[r, :n] are set (an exclusive prefix
+  count), as a tensor-core matmul within chunks of `chunk` (0/1 inputs and sums <= 128
+  are exact in bf16 with f32 accumulation) plus a cumsum over the [R, N / chunk] chunk
+  totals: no log-depth scan over the whole row."""
+  rows, size = mask.shape
+  padded = -(-size // chunk) * chunk
+  m = jnp.pad(mask, ((0, 0), (0, padded - size))).reshape(rows, padded // chunk, chunk)
+  m = m.astype(jnp.bfloat16)
+  strict_upper = (jnp.arange(chunk)[:, None] < jnp.arange(chunk)[None, :]).astype(
+      jnp.bfloat16)
+  within = jnp.einsum("rgc,cd->rgd", m, strict_upper, preferred_element_type=jnp.float32)
+  totals = m.astype(jnp.int32).sum(axis=-1)                          # [R, G]
+  offsets = jnp.cumsum(totals, axis=-1) - totals                     # exclusive
+  out = within.astype(jnp.int32) + offsets[..., None]
+  return out.reshape(rows, padded)[:, :size]
+
+
+def radix_topk(scores, topk, digit_bits=4):
+  """Exact top-k of scores [..., S] f32 without a sort: ascending positions of the topk
+  highest (ties towards the lower position), -1 for -inf picks (fewer visible than
+  topk); the same result as `_lax_topk`.
+
+  The k-th largest score is found digit by digit on order-preserving uint32 keys: 32 /
+  digit_bits passes, each counting per row how many keys are >= each of the 2**bits - 1
+  candidate thresholds of the next digit (one fused XLA reduction reading the scores
+  once); then the keys above the threshold plus the first (topk - count above) keys
+  equal to it are compacted to their positions by two prefix counts and one scatter.
+  About 32 / digit_bits + 3 reads of the f32 scores (4 * T bytes a token, next to the
+  indexer's 256 bytes of bf16 index key), and no sort of the row.
+  """
+  lead = scores.shape[:-1]
+  size = scores.shape[-1]
+  scores = scores.reshape(-1, size).astype(jnp.float32)
+  if size < topk:
+    scores = jnp.pad(scores, ((0, 0), (0, topk - size)), constant_values=-jnp.inf)
+    size = topk
+  rows = scores.shape[0]
+  keys = _ordered_keys(scores)                                       # [R, S]
+  digits = jnp.arange(1, 1 << digit_bits, dtype=jnp.uint32)          # [D]
+  prefix = jnp.zeros((rows,), jnp.uint32)
+  for shift in range(32 - digit_bits, -1, -digit_bits):
+    cand = prefix[:, None] | (digits[None, :] << shift)              # [R, D]
+    counts = jnp.sum(keys[:, :, None] >= cand[:, None, :], axis=1, dtype=jnp.int32)
+    # counts fall with the digit: the largest digit whose count still reaches topk.
+    best = jnp.sum(counts >= topk, axis=-1, dtype=jnp.uint32)
+    prefix = prefix | (best << shift)
+  threshold = prefix[:, None]                                        # the k-th largest
+  above = keys > threshold
+  equal = keys == threshold
+  need = topk - above.sum(axis=-1, dtype=jnp.int32)                  # >= 1
+  chosen = above | (equal & (_exclusive_count(equal) < need[:, None]))
+  chosen &= scores != -jnp.inf   # -inf picks stay -1 padding, after the others
+  slot = jnp.where(chosen, _exclusive_count(chosen), topk)
+  pos = jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (rows, size))
+  row = jnp.broadcast_to(jnp.arange(rows)[:, None], (rows, size))
+  out = jnp.full((rows, topk), -1, jnp.int32).at[row, slot].set(pos, mode="drop")
+  return out.reshape(*lead, topk)
+
+
+def select_topk(scores, topk, method):
+  """Top-k positions of scores [..., S] (module docstring's order) by `method`: 'radix'
+  (`radix_topk`) or 'lax' (lax.top_k, then a sort of the topk positions)."""
+  if method == "radix":
+    return radix_topk(scores, topk)
+  if method == "lax":
+    return _lax_topk(scores, topk)
+  raise ValueError(f"unknown top-k method {method!r}; expected one of {TOPK_METHODS}.")
+
+
+# ------------------------------------------------------------------------ block configs
+# Launch sizing (GPU): programs per SM the score kernel aims at, and the sparse MLA's
+# split-K rule (as paged MLA's: splits only below half a wave, then about two waves).
+SCORE_TARGET_WAVES = 4
+SPLIT_BELOW_WAVES = 0.5
+SPLIT_TARGET_WAVES = 2
+SHARED_MEMORY_BYTES = 224 << 10
+GPU_CORES = 132  # H100 SXM; the default when the device does not say
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerBlockConfig:
+  """Tiling of the indexer's score kernel.
+
+  block_k:     kv positions a block (GPU: a power of two >= 16; TPU: a multiple of
+               page_size and of 128).
+  query_rows:  query rows a program scores together (they share every key block).
+  num_splits:  programs a (batch row, row tile) is split into (GPU; 1 on TPU).
+  num_warps, num_stages: Triton launch parameters (GPU only).
+  """
+
+  block_k: int = 128
+  query_rows: int = 1
+  num_splits: int = 1
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    check_positive_ints(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseBlockConfig:
+  """Tiling of the sparse MLA kernel.
+
+  block_k:        selected positions a block (GPU: power of two >= 16; TPU: multiple of 8).
+  rows_per_block: heads a program (GPU: power of two >= 16; TPU: multiple of 8 / 16).
+  num_splits:     programs the indices of a (query row, head tile) are split into (GPU).
+  num_warps, num_stages: Triton launch parameters (GPU only).
+  """
+
+  block_k: int = 64
+  rows_per_block: int = 64
+  num_splits: int = 1
+  num_warps: int = 8
+  num_stages: int = 2
+
+  def __post_init__(self):
+    check_positive_ints(self)
+
+
+def _cores(interpret):
+  if interpret:
+    return GPU_CORES
+  return getattr(jax.devices()[0], "core_count", None) or GPU_CORES
+
+
+def padded_heads(heads):
+  """GPU: the indexer heads padded to a power of two >= 16 (tensor-core dot rows)."""
+  return max(16, next_pow2(heads))
+
+
+def default_indexer_config(batch, q_len, heads, dim, page_size, max_pages, backend,
+                           num_cores=GPU_CORES) -> IndexerBlockConfig:
+  """GPU: 128-position blocks (32 KiB of bf16 keys at di = 128) on 4 warps, up to 4
+  query rows a program (verify's rows share every key block), and KV splits for about
+  SCORE_TARGET_WAVES programs an SM, so that enough loads are in flight to stream the
+  keys at full bandwidth (not tuned on hardware: launch/bench_dsa.py times it).
+  TPU: blocks of whole pages, 512 positions or the next multiple of 128 above a page;
+  all T query rows in one tile up to T = 8, else tiles of 8."""
+  capacity = max_pages * page_size
+  query_rows = min(q_len, 4)
+  if backend == "tpu":
+    query_rows = q_len if q_len <= 8 else 8  # a row tile is the whole T or 8 sublanes
+    unit = math.lcm(page_size, 128)
+    block_k = max(unit, (512 // unit) * unit)
+    return IndexerBlockConfig(block_k=block_k, query_rows=query_rows)
+  block_k = max(16, min(128, next_pow2(capacity)))
+  tiles = -(-q_len // query_rows)
+  blocks = -(-capacity // block_k)
+  splits = max(1, min(-(-SCORE_TARGET_WAVES * num_cores // (batch * tiles)), blocks))
+  return IndexerBlockConfig(block_k=block_k, query_rows=query_rows, num_splits=splits,
+                            num_warps=4)
+
+
+def default_sparse_config(batch, q_len, heads, head_dim, topk, dtype, backend,
+                          num_cores=GPU_CORES) -> SparseBlockConfig:
+  """GPU: as paged MLA's (64-head tiles on 8 warps, 64 positions a block, shrunk until
+  the q tile and two kv stages fit SHARED_MEMORY_BYTES; f32: 32 rows), with split-K over
+  the indices when the grid fills less than half a wave. TPU: 128 positions a block,
+  tiles of up to 256 heads."""
+  itemsize = jnp.dtype(dtype).itemsize
+  if backend == "tpu":
+    unit = 8 * (4 // itemsize)
+    rows = min(-(-heads // unit) * unit, 256)
+    return SparseBlockConfig(block_k=128, rows_per_block=rows, num_splits=1)
+  rows = min(max(next_pow2(heads), 16), 64 if itemsize <= 2 else 32)
+  row_bytes = itemsize * head_dim
+  block_k = 64
+  while block_k > 16 and (rows + 2 * block_k) * row_bytes > SHARED_MEMORY_BYTES:
+    block_k //= 2
+  block_k = max(16, min(block_k, next_pow2(topk)))
+  programs = batch * q_len * -(-heads // rows)
+  splits = 1
+  if programs < SPLIT_BELOW_WAVES * num_cores:
+    splits = max(1, min(SPLIT_TARGET_WAVES * num_cores // programs, -(-topk // block_k), 64))
+  return SparseBlockConfig(block_k=block_k, rows_per_block=rows, num_splits=splits,
+                           num_warps=8 if rows >= 64 else 4)
+
+
+def _pow2_at_least_16(name, n, what):
+  if n < 16 or n & (n - 1):
+    raise ValueError(f"GPU {what} needs {name} to be a power of two >= 16 (Triton tiles "
+                     f"are powers of two; tensor-core dots need >= 16), got {n}.")
+
+
+def check_indexer_tiling(backend, *, dim, page_size, dtype, cfg: IndexerBlockConfig):
+  """ValueError when `backend`'s score kernel cannot tile these shapes with `cfg`."""
+  if backend == "gpu":
+    _pow2_at_least_16("the index head dim di", dim, "DSA indexer")
+    _pow2_at_least_16("IndexerBlockConfig.block_k", cfg.block_k, "DSA indexer")
+    return
+  sublanes = 8 * (4 // jnp.dtype(dtype).itemsize)
+  if dim % 128:
+    raise ValueError(f"TPU DSA indexer needs the index head dim di to be a multiple of "
+                     f"128 (the lane width), got {dim}.")
+  if page_size % sublanes:
+    raise ValueError(f"TPU DSA indexer needs page_size to be a multiple of {sublanes} for "
+                     f"{jnp.dtype(dtype).name} keys, got {page_size}.")
+  if cfg.block_k % page_size or cfg.block_k % 128:
+    raise ValueError(f"TPU DSA indexer needs IndexerBlockConfig.block_k ({cfg.block_k}) to "
+                     f"be a multiple of page_size ({page_size}) and of 128.")
+  if cfg.num_splits != 1:
+    raise ValueError("The TPU indexer kernel runs one split; set num_splits=1.")
+
+
+def check_sparse_tiling(backend, *, v_dim, head_dim, q_dtype, cfg: SparseBlockConfig):
+  """ValueError when `backend`'s sparse MLA kernel cannot tile these shapes with `cfg`."""
+  if backend == "gpu":
+    _pow2_at_least_16("SparseBlockConfig.block_k", cfg.block_k, "sparse MLA")
+    _pow2_at_least_16("SparseBlockConfig.rows_per_block", cfg.rows_per_block, "sparse MLA")
+    return
+  q_sublanes = 8 * (4 // jnp.dtype(q_dtype).itemsize)
+  if v_dim % 128:
+    raise ValueError(f"TPU sparse MLA needs v_dim (kv_lora_rank) to be a multiple of 128, "
+                     f"got {v_dim}.")
+  if cfg.rows_per_block % q_sublanes:
+    raise ValueError(f"TPU sparse MLA needs SparseBlockConfig.rows_per_block to be a "
+                     f"multiple of {q_sublanes} for {jnp.dtype(q_dtype).name} queries, got "
+                     f"{cfg.rows_per_block}.")
+  if cfg.block_k % 8:
+    raise ValueError(f"TPU sparse MLA needs SparseBlockConfig.block_k to be a multiple of "
+                     f"8, got {cfg.block_k}.")
+  if cfg.num_splits != 1:
+    raise ValueError("The TPU sparse MLA kernel runs one split; set num_splits=1.")
+
+
+# ------------------------------------------------------------------------ kernel paths
+def _check_config(block_config, kind):
+  if block_config is not None and not isinstance(block_config, kind):
+    raise TypeError(f"block_config must be an {kind.__name__} or None, got "
+                    f"{type(block_config).__name__}.")
+
+
+def index_scores(q, w, k_pages, block_table, kv_lens, *, k_scale=None, backend="gpu",
+                 interpret=False, block_config=None):
+  """The score kernel of `backend` ('gpu' or 'tpu'): [B, T, Sp] f32, Sp >= W * page_size
+  (-inf past it); the same scores as `index_scores_reference` where Sp overlaps it.
+  block_config: an IndexerBlockConfig, None for the default."""
+  _check_config(block_config, IndexerBlockConfig)
+  return _index_scores(q, w, k_pages, block_table, kv_lens, k_scale=k_scale,
+                       backend=backend, interpret=interpret, block_config=block_config)
+
+
+@functools.partial(jax.jit, static_argnames=("backend", "interpret", "block_config"))
+def _index_scores(q, w, k_pages, block_table, kv_lens, *, k_scale, backend, interpret,
+                  block_config):
+  _check_indexer_inputs(q, w, k_pages, block_table, kv_lens, k_scale)
+  batch, q_len, heads, dim = q.shape
+  _, page_size, _ = k_pages.shape
+  cfg = block_config or default_indexer_config(
+      batch, q_len, heads, dim, page_size, block_table.shape[1], backend,
+      num_cores=_cores(interpret) if backend == "gpu" else GPU_CORES)
+  check_indexer_tiling(backend, dim=dim, page_size=page_size, dtype=k_pages.dtype, cfg=cfg)
+  rows = cfg.query_rows
+  t_pad = -(-q_len // rows) * rows
+  if backend == "gpu":
+    hp = padded_heads(heads)
+  else:  # whole sublane tiles of q's dtype
+    unit = 8 * (4 // jnp.dtype(q.dtype).itemsize)
+    hp = -(-heads // unit) * unit
+  qp = jnp.pad(q, ((0, 0), (0, t_pad - q_len), (0, hp - heads), (0, 0)))
+  wp = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, t_pad - q_len), (0, hp - heads)))
+  qp = qp.reshape(batch, t_pad * hp, dim)
+  if backend == "gpu":
+    from pallas_kernels.dsa_gpu import index_scores_gpu
+    out = index_scores_gpu(qp, wp, k_pages, k_scale, block_table, kv_lens, q_len=q_len,
+                           heads=hp, query_rows=rows, block_k=cfg.block_k,
+                           num_splits=cfg.num_splits, num_warps=cfg.num_warps,
+                           num_stages=cfg.num_stages, interpret=interpret)
+  else:
+    from pallas_kernels.dsa_tpu import index_scores_tpu
+    out = index_scores_tpu(qp, wp, k_pages, k_scale, block_table, kv_lens, q_len=q_len,
+                           heads=hp, query_rows=rows, block_k=cfg.block_k,
+                           interpret=interpret)
+  return out[:, :q_len]
+
+
+DEFAULT_TOPK_METHOD = {"gpu": "radix", "tpu": "lax"}
+
+
+def indexer_topk_kernel(q, w, k_pages, block_table, kv_lens, *, topk, k_scale=None,
+                        backend="gpu", interpret=False, method=None, block_config=None):
+  """`indexer_topk` through `backend`'s score kernel ('gpu' or 'tpu') with a chosen top-k
+  `method` (None: the backend's default) and IndexerBlockConfig (None: the default);
+  for tests and the benchmark."""
+  _check_topk(topk)
+  _check_config(block_config, IndexerBlockConfig)
+  method = method or DEFAULT_TOPK_METHOD[backend]
+  if method not in TOPK_METHODS:
+    raise ValueError(f"unknown top-k method {method!r}; expected one of {TOPK_METHODS}.")
+  return _indexer_topk_kernel(q, w, k_pages, block_table, kv_lens, topk=int(topk),
+                              k_scale=k_scale, backend=backend, interpret=interpret,
+                              method=method, block_config=block_config)
+
+
+@functools.partial(jax.jit, static_argnames=("topk", "backend", "interpret", "method",
+                                             "block_config"))
+def _indexer_topk_kernel(q, w, k_pages, block_table, kv_lens, *, topk, k_scale, backend,
+                         interpret, method, block_config):
+  scores = _index_scores(q, w, k_pages, block_table, kv_lens, k_scale=k_scale,
+                         backend=backend, interpret=interpret, block_config=block_config)
+  return select_topk(scores, topk, method)
+
+
+def sparse_mla_kernel(q, kv_pages, block_table, indices, *, v_dim, sm_scale, kv_scale=None,
+                      backend="gpu", interpret=False, block_config=None):
+  """`sparse_mla` through `backend`'s kernel ('gpu' or 'tpu') with a chosen
+  SparseBlockConfig (None: the default); for tests and the benchmark."""
+  _check_config(block_config, SparseBlockConfig)
+  if _is_int(v_dim):
+    v_dim = int(v_dim)
+  if isinstance(sm_scale, numbers.Real) and not isinstance(sm_scale, bool):
+    sm_scale = float(sm_scale)
+  return _sparse_mla_kernel(q, kv_pages, block_table, indices, v_dim=v_dim,
+                            sm_scale=sm_scale, kv_scale=kv_scale, backend=backend,
+                            interpret=interpret, block_config=block_config)
+
+
+@functools.partial(jax.jit, static_argnames=("v_dim", "sm_scale", "backend", "interpret",
+                                             "block_config"))
+def _sparse_mla_kernel(q, kv_pages, block_table, indices, *, v_dim, sm_scale, kv_scale,
+                       backend, interpret, block_config):
+  _check_sparse_inputs(q, kv_pages, block_table, indices, v_dim, sm_scale, kv_scale)
+  batch, q_len, heads, head_dim = q.shape
+  topk = indices.shape[2]
+  cfg = block_config or default_sparse_config(
+      batch, q_len, heads, head_dim, topk, q.dtype, backend,
+      num_cores=_cores(interpret) if backend == "gpu" else GPU_CORES)
+  check_sparse_tiling(backend, v_dim=v_dim, head_dim=head_dim, q_dtype=q.dtype, cfg=cfg)
+  if kv_scale is not None:
+    q = scale_queries(q, kv_scale, v_dim)
+  hp = -(-heads // cfg.rows_per_block) * cfg.rows_per_block
+  kp = -(-topk // cfg.block_k) * cfg.block_k
+  qp = jnp.pad(q, ((0, 0), (0, 0), (0, hp - heads), (0, 0)))
+  ip = jnp.pad(indices, ((0, 0), (0, 0), (0, kp - topk)), constant_values=-1)
+  common = dict(v_dim=v_dim, sm_scale=sm_scale, block_k=cfg.block_k,
+                rows_per_block=cfg.rows_per_block, interpret=interpret)
+  if backend == "gpu":
+    from pallas_kernels.dsa_gpu import sparse_mla_gpu
+    out = sparse_mla_gpu(qp, kv_pages, block_table, ip, **common,
+                         num_splits=cfg.num_splits, num_warps=cfg.num_warps,
+                         num_stages=cfg.num_stages)
+  else:
+    from pallas_kernels.dsa_tpu import sparse_mla_tpu
+    out = sparse_mla_tpu(qp, kv_pages, block_table, ip, **common)
+  out = out[:, :, :heads, :v_dim]
+  if kv_scale is not None:
+    out = (out.astype(jnp.float32) * kv_scale[0].astype(jnp.float32)).astype(q.dtype)
+  return out
+
+
 # ------------------------------------------------------------------------ public ops
 def indexer_topk(q, w, k_pages, block_table, kv_lens, *, topk, k_scale=None, backend=None,
                  interpret=False):
@@ -242,8 +602,9 @@ def indexer_topk(q, w, k_pages, block_table, kv_lens, *, topk, k_scale=None, bac
   positions, ties towards the lower position, -1 padding last.
 
   backend: None ($MTP_JAX_DSA_BACKEND, else jax.default_backend(); cpu: reference),
-  'gpu', 'tpu' or 'reference'. interpret=True runs the backend's Pallas kernel in
-  interpret mode. Shapes a kernel cannot tile raise ValueError naming the dimension.
+  'gpu', 'tpu' or 'reference'. interpret=True runs the backend's Pallas score kernel in
+  interpret mode (the top-k is XLA: `radix_topk` on GPU, lax.top_k on TPU). Shapes a
+  kernel cannot tile raise ValueError naming the dimension.
   """
   backend = _resolve_backend(backend)
   _check_topk(topk)
@@ -251,8 +612,8 @@ def indexer_topk(q, w, k_pages, block_table, kv_lens, *, topk, k_scale=None, bac
   if backend == "reference":
     return indexer_topk_reference(q, w, k_pages, block_table, kv_lens, topk=topk,
                                   k_scale=k_scale)
-  return indexer_topk_reference(q, w, k_pages, block_table, kv_lens, topk=topk,
-                                k_scale=k_scale)
+  return indexer_topk_kernel(q, w, k_pages, block_table, kv_lens, topk=topk,
+                             k_scale=k_scale, backend=backend, interpret=interpret)
 
 
 def sparse_mla(q, kv_pages, block_table, indices, *, v_dim, sm_scale, kv_scale=None,
@@ -266,5 +627,9 @@ def sparse_mla(q, kv_pages, block_table, indices, *, v_dim, sm_scale, kv_scale=N
     v_dim = int(v_dim)
   if isinstance(sm_scale, numbers.Real) and not isinstance(sm_scale, bool):
     sm_scale = float(sm_scale)
-  return sparse_mla_reference(q, kv_pages, block_table, indices, v_dim=v_dim,
-                              sm_scale=sm_scale, kv_scale=kv_scale)
+  if backend == "reference":
+    return sparse_mla_reference(q, kv_pages, block_table, indices, v_dim=v_dim,
+                                sm_scale=sm_scale, kv_scale=kv_scale)
+  return sparse_mla_kernel(q, kv_pages, block_table, indices, v_dim=v_dim,
+                           sm_scale=sm_scale, kv_scale=kv_scale, backend=backend,
+                           interpret=interpret)

@@ -1,0 +1,272 @@
+"""DeepSeek Sparse Attention for NVIDIA GPUs: Pallas (Triton backend) kernels for the
+indexer's scores and for sparse paged MLA.
+
+The public ops, the layouts and the masking rule are documented in `pallas_kernels.dsa`;
+this module holds only the GPU kernels and their wrappers. The top-k between them is
+plain XLA (`dsa.radix_topk`).
+
+Indexer scores. One program handles (tile of `query_rows` query rows, KV split, batch
+row) and walks its share of the visible kv positions `block_k` at a time: each block of
+index keys [block_k, di] is one 2-D gather through the block table (one table entry per
+position, so any page size works and a block may span pages), loaded once for every
+query row of the tile; per query row one [Hp, di] x [di, block_k] tensor-core dot gives
+all heads' logits, relu and the weighted head sum ([Hp] weights, a column reduction)
+give the row's [block_k] scores, times the per-token scale of fp8 keys. No per-token
+loop: the block is the unit. Blocks past the tile's visible range are written -inf
+without a load, so a short request's programs cost a store. Heads are padded to a
+power of two >= 16 (zero queries and weights: tensor-core dots need 16 rows) by the
+wrapper in `dsa`. The split is by contiguous shares of the visible blocks, so the
+programs of one batch row read disjoint keys: each key byte crosses HBM once, the q
+tile (at Hi = 64, di = 128: 16 KiB a row) once a program, from L2 after the first.
+
+Bytes: the keys (di * itemsize a token, plus 4 for an fp8 scale) plus 4 * T bytes of
+scores a token, so at T = 1 the scores add 1.6 % to the bf16 keys. Flops: 2 * Hi * di
+a token and query row (16 k at Hi = 64, di = 128: 64 flops a key byte at T = 1), under
+the tensor cores' ridge point, so the kernel is bound by the key reads up to T ~ 3.
+
+Sparse MLA. One program handles (tile of heads, KV split, query row, batch row), like
+`paged_mla_gpu` but the kv positions of a block are `block_k` consecutive entries of the
+row's indices rather than consecutive positions: the block's latent [block_k, v_dim]
+and rope [block_k, Dk - v_dim] rows are two gathers through the block table, -1 entries
+masked (never loaded). Each query row has its own indices, so rows are packed only
+across heads (at H = 128 two 64-row tiles read the same rows, the second from L2).
+With few programs (small batch) the indices are split across programs
+(flash-decoding) and merged by `common.combine_splits`. Reads: topk * Dk * itemsize
+bytes a query row and head tile, independent of the context length.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.common import MASK_VALUE, combine_splits, gpu_dim_tile, store_rows
+
+NT = (((1,), (1,)), ((), ()))   # a @ b.T
+NN = (((1,), (0,)), ((), ()))   # a @ b
+
+
+def _gather(ref, page, slot, live, start, width, tile):
+  """ref[page[k], slot[k], start:start + width] for each k: [len(page), tile]; rows not
+  `live` and columns past `width` read as zeros without touching memory."""
+  shape = (page.shape[0], tile)
+  col = lax.broadcasted_iota(jnp.int32, shape, 1)
+  mask = jnp.broadcast_to(live[:, None], shape)
+  if tile != width:
+    mask &= col < width
+  at = (jnp.broadcast_to(page[:, None], shape), jnp.broadcast_to(slot[:, None], shape),
+        start + col)
+  return pltriton.load(ref.at[at], mask=mask, other=0.0)
+
+
+def _load_cols(ref, start, width, tile):
+  """ref[:, start:start + width] as a [rows, tile] array, zero past `width`."""
+  rows = ref.shape[0]
+  if tile == width:
+    return ref[:, pl.ds(start, width)]
+  shape = (rows, tile)
+  col = lax.broadcasted_iota(jnp.int32, shape, 1)
+  at = (lax.broadcasted_iota(jnp.int32, shape, 0), start + col)
+  return pltriton.load(ref.at[at], mask=col < width, other=0.0)
+
+
+# ------------------------------------------------------------------------ index scores
+def _score_kernel(kv_lens_ref, bt_ref, q_ref, w_ref, k_ref, *rest, q_len, heads,
+                  query_rows, block_k, num_splits, has_scale):
+  if has_scale:
+    ks_ref, o_ref = rest
+  else:
+    (o_ref,) = rest
+  tile, split = pl.program_id(0), pl.program_id(1)
+  page_size = k_ref.shape[1]
+  max_pages = bt_ref.shape[0]
+  capacity = max_pages * page_size
+  total_blocks = o_ref.shape[1] // block_k
+  kv_len = kv_lens_ref[0]
+  first_row = kv_len - q_len + tile * query_rows   # position of the tile's first row
+  # The tile's last real row sees positions < hi.
+  last = jnp.minimum(tile * query_rows + query_rows - 1, q_len - 1)
+  hi = jnp.clip(kv_len - q_len + last + 1, 0, capacity)
+  visible_blocks = lax.div(hi + block_k - 1, block_k)
+  per_split = lax.div(visible_blocks + num_splits - 1, num_splits)
+  begin = split * per_split
+  end = jnp.minimum(begin + per_split, visible_blocks)
+  # Blocks nobody of the tile sees: -inf, shared out among the splits the same way.
+  dead = total_blocks - visible_blocks
+  dead_per_split = lax.div(dead + num_splits - 1, num_splits)
+  dead_begin = visible_blocks + split * dead_per_split
+  dead_end = jnp.minimum(dead_begin + dead_per_split, total_blocks)
+
+  compute = q_ref.dtype
+  precision = lax.Precision.HIGHEST if compute == jnp.float32 else None
+  dim = q_ref.shape[1]
+  offsets = jnp.arange(block_k, dtype=jnp.int32)
+  # One query row's q tile stays in registers; more are re-read (from L1/L2) per block.
+  q_fixed = q_ref[pl.ds(0, heads), :] if query_rows == 1 else None
+
+  def body(j, carry):
+    pos = j * block_k + offsets
+    live = pos < hi
+    page = bt_ref[jnp.minimum(lax.div(pos, page_size), max_pages - 1)]
+    slot = lax.rem(pos, page_size)
+    keys = _gather(k_ref, page, slot, live, 0, dim, dim).astype(compute)
+    if has_scale:
+      scale = pltriton.load(ks_ref.at[page, slot], mask=live, other=0.0)
+    for t in range(query_rows):
+      qt = q_fixed if q_fixed is not None else q_ref[pl.ds(t * heads, heads), :]
+      s = lax.dot_general(qt, keys, NT, precision=precision,
+                          preferred_element_type=jnp.float32)          # [Hp, block_k]
+      wt = w_ref[t, :]                                                 # [Hp]
+      score = jnp.sum(jnp.maximum(s, 0.0) * wt[:, None], axis=0)       # [block_k]
+      if has_scale:
+        score = score * scale
+      score = jnp.where((pos <= first_row + t) & (pos < capacity), score, -jnp.inf)
+      o_ref[t, pl.ds(j * block_k, block_k)] = score
+    return carry
+
+  def dead_body(j, carry):
+    for t in range(query_rows):
+      o_ref[t, pl.ds(j * block_k, block_k)] = jnp.full((block_k,), -jnp.inf, jnp.float32)
+    return carry
+
+  lax.fori_loop(begin, end, body, 0)
+  lax.fori_loop(dead_begin, dead_end, dead_body, 0)
+
+
+def index_scores_gpu(q_packed, w, k_pages, k_scale, block_tables, kv_lens, *, q_len,
+                     heads, query_rows, block_k, num_splits, num_warps, num_stages,
+                     interpret):
+  """q_packed [B, Tp * Hp, di] (Tp a multiple of query_rows, Hp heads a query row, zero
+  padded), w [B, Tp, Hp] f32 (zero padded), keys in q's dtype or fp8 with k_scale ->
+  scores [B, Tp, Sp] f32, Sp = W * page_size rounded up to block_k (-inf past it)."""
+  batch, rows, dim = q_packed.shape
+  t_pad = rows // heads
+  max_pages = block_tables.shape[1]
+  capacity = max_pages * k_pages.shape[1]
+  width = -(-capacity // block_k) * block_k
+  tiles = t_pad // query_rows
+  kernel = functools.partial(
+      _score_kernel, q_len=q_len, heads=heads, query_rows=query_rows, block_k=block_k,
+      num_splits=num_splits, has_scale=k_scale is not None)
+  in_specs = [
+      pl.BlockSpec((1,), lambda t, s, b: (b,)),
+      pl.BlockSpec((None, max_pages), lambda t, s, b: (b, 0)),
+      pl.BlockSpec((None, query_rows * heads, dim), lambda t, s, b: (b, t, 0)),
+      pl.BlockSpec((None, query_rows, heads), lambda t, s, b: (b, t, 0)),
+      pl.BlockSpec(k_pages.shape, lambda t, s, b: (0, 0, 0)),
+  ]
+  args = [kv_lens, block_tables, q_packed, w, k_pages]
+  if k_scale is not None:
+    in_specs.append(pl.BlockSpec(k_scale.shape, lambda t, s, b: (0, 0)))
+    args.append(k_scale.astype(jnp.float32))
+  return pl.pallas_call(
+      kernel,
+      grid=(tiles, num_splits, batch),
+      in_specs=in_specs,
+      out_specs=pl.BlockSpec((None, query_rows, width), lambda t, s, b: (b, t, 0)),
+      out_shape=jax.ShapeDtypeStruct((batch, t_pad, width), jnp.float32),
+      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name="dsa_index_scores_gpu",
+  )(*args)
+
+
+# -------------------------------------------------------------------------- sparse MLA
+def _sparse_kernel(bt_ref, idx_ref, q_ref, kv_ref, *out_refs, sm_scale, v_dim, block_k,
+                   num_splits):
+  split = pl.program_id(1)
+  head_dim = q_ref.shape[1]
+  page_size = kv_ref.shape[1]
+  max_pages = bt_ref.shape[0]
+  rope_dim = head_dim - v_dim
+  v_tile, r_tile = gpu_dim_tile(v_dim), gpu_dim_tile(rope_dim)
+  num_blocks = idx_ref.shape[0] // block_k
+  per_split = -(-num_blocks // num_splits)
+  begin = split * per_split
+  end = jnp.minimum(begin + per_split, num_blocks)
+
+  fp8_under_bf16 = kv_ref.dtype == jnp.float8_e4m3fn and q_ref.dtype == jnp.bfloat16
+  compute = jnp.float16 if fp8_under_bf16 else q_ref.dtype
+  precision = lax.Precision.HIGHEST if compute == jnp.float32 else None
+  q_lat = _load_cols(q_ref, 0, v_dim, v_tile).astype(compute)
+  q_rope = _load_cols(q_ref, v_dim, rope_dim, r_tile).astype(compute) if rope_dim else None
+  rows = q_ref.shape[0]
+
+  def body(j, carry):
+    acc, m_prev, l_prev = carry
+    idx = idx_ref[pl.ds(j * block_k, block_k)]
+    live = idx >= 0
+    pos = jnp.maximum(idx, 0)
+    page = bt_ref[jnp.minimum(lax.div(pos, page_size), max_pages - 1)]
+    slot = lax.rem(pos, page_size)
+    lat = _gather(kv_ref, page, slot, live, 0, v_dim, v_tile).astype(compute)
+    s = lax.dot_general(q_lat, lat, NT, precision=precision,
+                        preferred_element_type=jnp.float32)
+    if rope_dim:
+      rope = _gather(kv_ref, page, slot, live, v_dim, rope_dim, r_tile).astype(compute)
+      s += lax.dot_general(q_rope, rope, NT, precision=precision,
+                           preferred_element_type=jnp.float32)
+    s = jnp.where(live[None, :], s * sm_scale, MASK_VALUE)
+    m_next = jnp.maximum(m_prev, s.max(axis=1))
+    alpha = jnp.exp(m_prev - m_next)
+    p = jnp.where(live[None, :], jnp.exp(s - m_next[:, None]), 0.0)
+    pv = lax.dot_general(p.astype(lat.dtype), lat, NN, precision=precision,
+                         preferred_element_type=jnp.float32)
+    return acc * alpha[:, None] + pv, m_next, l_prev * alpha + p.sum(axis=1)
+
+  acc = jnp.zeros((rows, v_tile), jnp.float32)
+  m = jnp.full((rows,), MASK_VALUE, jnp.float32)
+  l = jnp.zeros((rows,), jnp.float32)
+  acc, m, l = lax.fori_loop(begin, end, body, (acc, m, l))
+  store_rows(out_refs, acc, m, l)
+
+
+def sparse_mla_gpu(q, kv_pages, block_tables, indices, *, v_dim, sm_scale, block_k,
+                   rows_per_block, num_splits, num_warps, num_stages, interpret):
+  """q [B, T, Hp, Dk] (Hp a multiple of rows_per_block), indices [B, T, Kp] (Kp a
+  multiple of block_k, -1 padded), pages in q's dtype or fp8 -> [B, T, Hp, v_tile] in
+  q's dtype (v_tile = gpu_dim_tile(v_dim); columns past v_dim are zero)."""
+  batch, q_len, heads, head_dim = q.shape
+  topk = indices.shape[2]
+  max_pages = block_tables.shape[1]
+  assert heads % rows_per_block == 0 and topk % block_k == 0
+  v_tile = gpu_dim_tile(v_dim)
+  tiles = heads // rows_per_block
+  kernel = functools.partial(_sparse_kernel, sm_scale=sm_scale, v_dim=v_dim,
+                             block_k=block_k, num_splits=num_splits)
+  in_specs = [
+      pl.BlockSpec((None, max_pages), lambda h, s, t, b: (b, 0)),
+      pl.BlockSpec((None, None, topk), lambda h, s, t, b: (b, t, 0)),
+      pl.BlockSpec((None, None, rows_per_block, head_dim), lambda h, s, t, b: (b, t, h, 0)),
+      pl.BlockSpec(kv_pages.shape, lambda h, s, t, b: (0, 0, 0)),
+  ]
+  if num_splits == 1:
+    out_shape = [jax.ShapeDtypeStruct((batch, q_len, heads, v_tile), q.dtype)]
+    out_specs = [pl.BlockSpec((None, None, rows_per_block, v_tile),
+                              lambda h, s, t, b: (b, t, h, 0))]
+  else:
+    out_shape = [jax.ShapeDtypeStruct((num_splits, batch, q_len, heads, v_tile), jnp.float32),
+                 jax.ShapeDtypeStruct((num_splits, batch, q_len, heads), jnp.float32)]
+    out_specs = [
+        pl.BlockSpec((None, None, None, rows_per_block, v_tile),
+                     lambda h, s, t, b: (s, b, t, h, 0)),
+        pl.BlockSpec((None, None, None, rows_per_block), lambda h, s, t, b: (s, b, t, h)),
+    ]
+  outs = pl.pallas_call(
+      kernel,
+      grid=(tiles, num_splits, q_len, batch),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name="dsa_sparse_mla_gpu",
+  )(block_tables, indices, q, kv_pages)
+  if num_splits == 1:
+    return outs[0]
+  return combine_splits(*outs).astype(q.dtype)
