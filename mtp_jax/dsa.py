@@ -149,6 +149,44 @@ def paged_sparse_mla(q, kv_pages, block_table, indices, *, v_dim, sm_scale, back
                                  sm_scale=sm_scale, backend=backend)
 
 
+def check_kernels(layout, eng, cfg) -> None:
+    """ConfigError, before anything compiles, for DSA shapes the chosen kernels cannot tile:
+    both ops are traced (not compiled) on abstract arguments of the engine's query lengths,
+    and a kernel's ValueError naming the dimension becomes the error. Nothing to check for
+    the reference backend, nor where every row attends densely (index_topk covers the
+    table)."""
+    from pallas_kernels import dsa as dsa_kernel
+    from pallas_kernels.common import resolve_backend
+
+    from .config import ConfigError
+
+    backend = resolve_backend(eng.attention_backend, dsa_kernel.BACKEND_ENV_VAR, "DSA")
+    d, m = cfg.dsa, cfg.mla
+    if backend == "reference" or d.index_topk >= layout.width * layout.page_size:
+        return
+    b, dtype = eng.max_batch, jnp.dtype(layout.dtype)
+    pages = layout.groups[0].num_pages
+    spec = jax.ShapeDtypeStruct
+    for t in sorted({1, eng.prefill_chunk}):
+        table, lens = spec((b, layout.width), jnp.int32), spec((b,), jnp.int32)
+        try:
+            jax.eval_shape(lambda q, w, k, bt, kl: dsa_kernel.indexer_topk(
+                q, w, k, bt, kl, topk=d.index_topk, backend=backend),
+                spec((b, t, d.index_n_heads, d.index_head_dim), dtype),
+                spec((b, t, d.index_n_heads), jnp.float32),
+                spec((pages, layout.page_size, d.index_head_dim), dtype), table, lens)
+            jax.eval_shape(lambda q, kv, bt, idx: dsa_kernel.sparse_mla(
+                q, kv, bt, idx, v_dim=m.kv_lora_rank, sm_scale=1.0, backend=backend),
+                spec((b, t, cfg.num_heads, m.cache_dim), dtype),
+                spec((pages, layout.page_size, m.cache_dim), dtype), table,
+                spec((b, t, d.index_topk), jnp.int32))
+        except ValueError as e:
+            raise ConfigError(f"index_n_heads={d.index_n_heads}, index_head_dim="
+                              f"{d.index_head_dim}, index_topk={d.index_topk}, kv_lora_rank="
+                              f"{m.kv_lora_rank}, page_size={layout.page_size} ({backend} DSA "
+                              f"kernels): {e}") from None
+
+
 # ------------------------------------------------------------------------- checkpoint
 def index_dim(cfg, layer: int) -> int:
     """Index-key dims one token caches in `layer` (0: the layer keeps no index keys)."""
@@ -200,4 +238,4 @@ def indexer_entries(att, d: int, path: tuple, a: str) -> list:
 
 
 __all__ = ["IndexQuery", "Indexer", "LayerNorm", "index_scores", "dense_selection",
-           "paged_topk", "paged_sparse_mla", "index_dim", "indexer_entries"]
+           "paged_topk", "paged_sparse_mla", "check_kernels", "index_dim", "indexer_entries"]

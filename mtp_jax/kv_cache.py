@@ -39,6 +39,7 @@ from pallas_kernels.common import resolve_backend
 from pallas_kernels.paged_attention import paged_attention
 
 from .config import ConfigError, EngineConfig, ModelConfig
+from .dsa import check_kernels as check_dsa_kernels
 from .dsa import index_dim, paged_sparse_mla, paged_topk
 from .model import cache_entry
 from .pages import PageAllocator  # noqa: F401  (host-side, jax-free; re-exported)
@@ -170,7 +171,10 @@ def make_layout(cfg: ModelConfig, eng: EngineConfig, k: int, dtype, *,
 
 def check_kernels(layout: KVLayout, eng: EngineConfig, cfg: ModelConfig) -> None:
     """ConfigError, before anything compiles, for a latent (MLA) cache the chosen paged-MLA
-    kernel cannot tile (e.g. a kv_lora_rank off the TPU's 128-lane tiles), with why."""
+    kernel cannot tile (e.g. a kv_lora_rank off the TPU's 128-lane tiles), with why; the
+    same for the DSA kernels of a sparse-attention model (dsa.check_kernels)."""
+    if layout.index_dims:
+        check_dsa_kernels(layout, eng, cfg)
     if not layout.latent:
         return
     backend = resolve_backend(eng.attention_backend, mla_kernel.BACKEND_ENV_VAR, "paged-MLA")

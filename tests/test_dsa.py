@@ -1,0 +1,297 @@
+"""DeepSeek Sparse Attention (DeepSeek-V3.2 `deepseek_v32`, GLM-5 `glm_moe_dsa`): configs as
+published and as transformers 5 saves them, the refusals, the sparse paths against the dense
+ones where index_topk covers the context, the reference generator and every speculative
+strategy one MTP layer allows against `none`, and the checkpoint errors. The numbers
+against transformers are test_golden.py's (the deepseek_v32_* / glm_moe_dsa_* fixtures)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mtp_jax.checkpoint import CheckpointError, load
+from mtp_jax.checkpoint.params import to_flat, with_params
+from mtp_jax.checkpoint.safetensors_io import read_safetensors_header, read_tensor, \
+    write_safetensors
+from mtp_jax.config import ConfigError, DSAConfig, EngineConfig, SamplingParams, SpecConfig
+from mtp_jax.dsa import IndexQuery
+from mtp_jax.engine import Engine, Request
+from mtp_jax.kv_cache import PagedKV, init_caches, make_layout
+from mtp_jax.models import from_hf, to_hf
+from mtp_jax.mtp import forward_train
+from mtp_jax.reference import generate_reference
+
+GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
+
+
+def fixture(case):
+    return os.path.join(GOLDEN, case)
+
+
+def golden(case):
+    return dict(np.load(os.path.join(fixture(case), "golden.npz")))
+
+
+# Published config.json files, trimmed of nothing that carries math.
+DEEPSEEK_V32_EXP = {
+    "architectures": ["DeepseekV32ForCausalLM"], "attention_bias": False,
+    "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1,
+    "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+    "index_head_dim": 128, "index_n_heads": 64, "index_topk": 2048,
+    "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512,
+    "max_position_embeddings": 163840, "model_type": "deepseek_v32",
+    "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
+    "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3",
+                            "quant_method": "fp8", "scale_fmt": "ue8m0",
+                            "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16", "transformers_version": "4.44.2", "use_cache": True,
+    "v_head_dim": 128, "vocab_size": 129280,
+}
+GLM5 = {
+    "architectures": ["GlmMoeDsaForCausalLM"], "attention_bias": False,
+    "attention_dropout": 0.0, "dtype": "bfloat16", "eos_token_id": [154820, 154827, 154829],
+    "ep_size": 1, "first_k_dense_replace": 3, "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 6144, "index_head_dim": 128, "index_n_heads": 32, "index_topk": 2048,
+    "indexer_rope_interleave": True, "initializer_range": 0.02, "intermediate_size": 12288,
+    "kv_lora_rank": 512, "max_position_embeddings": 202752, "model_type": "glm_moe_dsa",
+    "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 256,
+    "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 64,
+    "num_experts_per_tok": 8, "num_hidden_layers": 78, "num_key_value_heads": 64,
+    "num_nextn_predict_layers": 1, "pad_token_id": 154820, "pretraining_tp": 1,
+    "q_lora_rank": 2048, "qk_head_dim": 256, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-05, "rope_interleave": True,
+    "rope_parameters": {"rope_theta": 1000000, "rope_type": "default"},
+    "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False,
+    "topk_group": 1, "topk_method": "noaux_tc", "transformers_version": "5.0.2.dev0",
+    "use_cache": True, "v_head_dim": 256, "vocab_size": 154880,
+}
+
+
+# ------------------------------------------------------------------------------ configs
+def test_published_deepseek_v32_config():
+    cfg = from_hf(DEEPSEEK_V32_EXP)
+    assert cfg.layout == "deepseek_v32" and cfg.num_mtp_modules == 1
+    assert cfg.dsa == DSAConfig(index_n_heads=64, index_head_dim=128, index_topk=2048,
+                                rope_interleave=False)
+    assert cfg.quantization is not None and cfg.quantization.block == (128, 128)
+    assert cfg.mla.q_lora_rank == 1536 and cfg.mla.rope_interleave
+    att = cfg.layer_spec(cfg.num_layers).attention  # the MTP layer runs its own indexer
+    assert att.indexer == cfg.dsa and not att.index_shared
+    # the exporter writes quantization_config with the tensors, not from to_hf
+    assert from_hf(to_hf(cfg)) == dataclasses.replace(cfg, quantization=None)
+
+
+def test_published_glm5_config():
+    cfg = from_hf(GLM5)
+    assert cfg.layout == "glm_moe_dsa" and cfg.num_mtp_modules == 1
+    assert cfg.dsa == DSAConfig(index_n_heads=32, index_head_dim=128, index_topk=2048,
+                                rope_interleave=True)
+    assert cfg.mla.qk_head_dim == 256 and cfg.rope_theta == 1e6
+    assert from_hf(to_hf(cfg)) == cfg
+
+
+@pytest.mark.parametrize("case", ["deepseek_v32_saved", "glm_moe_dsa_shared",
+                                  "deepseek_v32_exp", "glm_moe_dsa_glm5"])
+def test_fixture_configs_round_trip(case):
+    cfg = from_hf(fixture(case))
+    assert from_hf(to_hf(cfg)) == cfg
+
+
+def test_glm_shared_layers_from_every_spelling():
+    base = dict(GLM5, num_hidden_layers=4, first_k_dense_replace=1)
+    want = (False, True, False, True)
+    for extra in ({"indexer_types": ["full", "shared", "full", "shared"]},
+                  {"index_topk_pattern": "FSFS"},
+                  {"index_topk_freq": 2, "index_skip_topk_offset": 1}):
+        cfg = from_hf({**base, **extra})
+        assert cfg.dsa.shared == want, extra
+        assert [cfg.layer_spec(i).attention.index_shared for i in range(5)] == \
+            list(want) + [False]
+        assert from_hf(to_hf(cfg)) == cfg
+    # transformers' default schedule (freq 1) is every layer full
+    assert from_hf({**base, "index_topk_freq": 1}).dsa.shared == ()
+
+
+@pytest.mark.parametrize("change, pieces", [
+    ({"index_topk": 0}, ["index_topk=0"]),
+    ({"index_head_dim": 32}, ["index_head_dim=32", "qk_rope_head_dim=64"]),
+    ({"index_n_heads": "64"}, ["index_n_heads='64'"]),
+    ({"q_lora_rank": None}, ["q_lora_rank"]),
+    ({"layer_types": ["full_attention"] * 61}, ["layer_types", "deepseek_sparse_attention"]),
+    ({"indexer_rope_interleave": "yes"}, ["indexer_rope_interleave='yes'"]),
+    ({"indexer_types": ["shared"] + ["full"] * 60}, ["first layer"]),
+    ({"indexer_types": ["full", "sometimes"] + ["full"] * 59}, ["indexer_types", "sometimes"]),
+    ({"indexer_types": ["full"] * 3}, ["indexer_types", "61 entries"]),
+    ({"index_topk_pattern": "FX"}, ["index_topk_pattern='FX'"]),
+    ({"quantization_config": dict(DEEPSEEK_V32_EXP["quantization_config"],
+                                  scale_fmt="e8m0x")}, ["scale_fmt='e8m0x'"]),
+    ({"index_extra": 1}, ["index_extra"]),
+])
+def test_bad_dsa_configs_are_refused_naming_the_field(change, pieces):
+    with pytest.raises(ConfigError) as err:
+        from_hf({**DEEPSEEK_V32_EXP, **change})
+    for p in pieces:
+        assert p in str(err.value), (p, str(err.value))
+
+
+# -------------------------------------------------------------------- sparse vs dense
+def _load_with_topk(case, topk):
+    """The fixture's model with another index_topk (same weights)."""
+    model = load(fixture(case))
+    cfg = dataclasses.replace(model.config,
+                              dsa=dataclasses.replace(model.config.dsa, index_topk=topk))
+    return with_params(model, cfg, to_flat(model.params))
+
+
+@pytest.mark.parametrize("case", ["deepseek_v32_exp", "glm_moe_dsa_shared"])
+def test_training_forward_sparse_binds_and_covering_topk_is_dense(case):
+    gold = golden(case)
+    tokens = jnp.asarray(gold["prompt"][None], jnp.int32)
+    t = tokens.shape[1]
+
+    def logits(model):
+        return np.asarray(forward_train(model.module(), tokens)[0][0])
+
+    sparse = logits(load(fixture(case)))
+    np.testing.assert_allclose(sparse, gold["logits"], rtol=1e-4, atol=1e-4)
+    covering = logits(_load_with_topk(case, t))  # every query sees <= t tokens: all of them
+    huge = logits(_load_with_topk(case, 10 ** 6))  # statically dense
+    np.testing.assert_allclose(covering, huge, rtol=1e-5, atol=1e-5)
+    topk = load(fixture(case)).config.dsa.index_topk
+    # queries that see at most index_topk tokens are dense already; later ones are not
+    np.testing.assert_allclose(sparse[:topk], huge[:topk], rtol=1e-5, atol=1e-5)
+    assert np.abs(sparse[topk + 1:] - huge[topk + 1:]).max() > 1e-2
+
+
+def test_paged_sparse_kernel_path_with_covering_topk_equals_dense_path():
+    """PagedKV: index_topk below the table's capacity (the indexer_topk + sparse_mla path) but
+    above every row's context selects everything: the same as the static dense path."""
+    cfg = load(fixture("glm_moe_dsa_glm5")).config
+    eng = EngineConfig(max_batch=2, max_model_len=32, page_size=4, prefill_chunk=8)
+    layout = make_layout(cfg, eng, 1, jnp.float32)
+    capacity = layout.width * layout.page_size
+    b, t = 2, 8
+    tables = tuple(jnp.asarray(np.arange(1, 1 + b * layout.width).reshape(b, layout.width)
+                               % (g.num_pages - 1) + 1, jnp.int32) for g in layout.groups)
+    d, m = cfg.dsa, cfg.mla
+    outs = {}
+    for topk in (capacity - 1, capacity):
+        kv = PagedKV(layout, init_caches(layout), tables, jnp.full((b,), 10 ** 6, jnp.int32))
+        for start in (0, t):  # two forwards: the second sees the first's rows
+            pos = jnp.broadcast_to(start + jnp.arange(t), (b, t)).astype(jnp.int32)
+            r = np.random.default_rng(start)
+            q = jnp.asarray(r.normal(size=(b, t, cfg.num_heads, m.cache_dim)), jnp.float32)
+            kvr = jnp.asarray(r.normal(size=(b, t, 1, m.cache_dim)), jnp.float32)
+            index = IndexQuery(jnp.asarray(r.normal(size=(b, t, d.index_n_heads,
+                                                          d.index_head_dim)), jnp.float32),
+                               jnp.asarray(r.normal(size=(b, t, d.index_n_heads)), jnp.float32),
+                               jnp.asarray(r.normal(size=(b, t, d.index_head_dim)), jnp.float32),
+                               topk)
+            out = kv.attend(pos, jnp.full((b,), start + t, jnp.int32))(
+                0, q, kvr, None, None, sm_scale=0.3, v_dim=m.kv_lora_rank, index=index)
+        outs[topk] = np.asarray(out)
+    np.testing.assert_allclose(outs[capacity - 1], outs[capacity], rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------ engine, reference
+def _run(model, method, k, requests, **eng):
+    spec = SpecConfig(method=method, num_speculative_tokens=k)
+    conf = dict(max_batch=2, max_model_len=64, page_size=8, prefill_chunk=16,
+                steps_per_dispatch=8)
+    conf.update(eng)
+    return [r.token_ids for r in Engine(model, spec, EngineConfig(**conf)).generate(requests)]
+
+
+def _requests(gold, sampled=False):
+    prompt = gold["prompt"].tolist()
+    params = SamplingParams(max_tokens=len(gold["greedy"]))
+    other = SamplingParams(max_tokens=12, temperature=0.8 if sampled else 0.0, seed=5)
+    return [Request("a", prompt, params), Request("b", prompt[::-1][:30], other)]
+
+
+def test_reference_generator_reproduces_transformers_greedy():
+    for case in ("deepseek_v32_exp", "glm_moe_dsa_shared"):
+        model, gold = load(fixture(case)), golden(case)
+        out, _ = generate_reference(model, gold["prompt"].tolist(),
+                                    SamplingParams(max_tokens=len(gold["greedy"])), max_len=64)
+        assert out == gold["greedy"].tolist(), case
+
+
+def test_every_strategy_of_one_mtp_layer_is_lossless():
+    """chain / window / per_step at K = 1, eagle reusing the layer for K = 3, adaptive K
+    (a sampled row too: coupled verification keeps it equal to `none`)."""
+    case = "glm_moe_dsa_shared"  # a shared-selection layer, the MTP layer's own indexer
+    model, gold = load(fixture(case)), golden(case)
+    none = _run(model, "none", 1, _requests(gold))
+    assert none[0] == gold["greedy"].tolist()
+    for method, k in (("window", 1), ("per_step", 1), ("eagle", 3)):
+        assert _run(model, method, k, _requests(gold)) == none, method
+    sampled_none = _run(model, "none", 1, _requests(gold, sampled=True))
+    assert _run(model, "chain", "auto", _requests(gold, sampled=True)) == sampled_none
+
+
+def test_index_topk_past_max_model_len_runs_dense():
+    case = "deepseek_v32_saved"
+    model, gold = _load_with_topk(case, 4096), golden(case)
+    want, _ = generate_reference(model, gold["prompt"].tolist(),
+                                 SamplingParams(max_tokens=len(gold["greedy"])), max_len=64)
+    assert _run(model, "none", 1, _requests(gold))[0] == want
+    assert _run(model, "eagle", 2, _requests(gold))[0] == want
+
+
+def test_fp8_kv_cache_with_dsa_is_refused():
+    model = load(fixture("deepseek_v32_saved"))
+    with pytest.raises(ConfigError, match="fp8"):
+        Engine(model, SpecConfig(method="none"), EngineConfig(max_batch=1, max_model_len=64,
+                                                              kv_dtype="fp8"))
+
+
+def test_untileable_dsa_shapes_are_a_config_error_before_compiling(monkeypatch):
+    from pallas_kernels import dsa as dsa_kernel
+
+    def refuse(*args, **kw):
+        raise ValueError("index_head_dim=16 is not a multiple of 64")
+
+    monkeypatch.setattr(dsa_kernel, "indexer_topk", refuse)
+    model = load(fixture("deepseek_v32_saved"))
+    with pytest.raises(ConfigError) as err:
+        Engine(model, SpecConfig(method="none"),
+               EngineConfig(max_batch=1, max_model_len=64, attention_backend="gpu"))
+    assert "index_head_dim=12" in str(err.value) and "not a multiple of 64" in str(err.value)
+
+
+# --------------------------------------------------------------------------- checkpoint
+@pytest.mark.parametrize("name", ["model.layers.1.self_attn.indexer.wk.weight",
+                                  "model.layers.2.self_attn.indexer.k_norm.bias"])
+def test_missing_indexer_tensor_is_named(tmp_path, name):
+    src = fixture("deepseek_v32_saved")
+    dst = tmp_path / "ckpt"
+    shutil.copytree(src, dst)
+    path = str(dst / "model.safetensors")
+    with open(path, "rb") as f:
+        base = 8 + int.from_bytes(f.read(8), "little")
+    tensors = {k: np.array(read_tensor(path, (base, v)))
+               for k, v in read_safetensors_header(path).items()}
+    del tensors[name]
+    os.remove(path)
+    write_safetensors(path, tensors)
+    with pytest.raises(CheckpointError) as err:
+        load(str(dst))
+    assert name in str(err.value) or name in "\n".join(getattr(err.value, "full", []))
