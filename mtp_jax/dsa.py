@@ -56,6 +56,11 @@ class IndexQuery:
     def shared(self) -> bool:
         return self.q is None
 
+    def select(self, keys, visible, previous=None):
+        """`dense_selection` of this query (what the dense backends call, so they need not
+        import this module)."""
+        return dense_selection(self, keys, visible, previous)
+
 
 jax.tree_util.register_pytree_node(
     IndexQuery, lambda x: ((x.q, x.w, x.k), x.topk),

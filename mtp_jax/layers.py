@@ -199,11 +199,9 @@ def causal_attend(positions):
 
     def attend(layer, q, k, v, window, *, sm_scale=None, v_dim=None, sinks=None, index=None):
         select = None
-        if index is not None:  # DeepSeek Sparse Attention (dsa.py)
-            from .dsa import dense_selection
+        if index is not None:  # DeepSeek Sparse Attention (dsa.IndexQuery)
             visible = positions[:, None, :] <= positions[:, :, None]
-            select = selected["last"] = dense_selection(index, index.k, visible,
-                                                        selected.get("last"))
+            select = selected["last"] = index.select(index.k, visible, selected.get("last"))
         return dense_attention(q, k, v, positions, positions, valid, window, sm_scale, v_dim,
                                sinks, select)
 
