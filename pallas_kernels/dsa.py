@@ -243,36 +243,38 @@ def _ordered_keys(scores):
   return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
 
 
-def _exclusive_count(mask, chunk=128):
-  """[R, N] bool -> [R, N] int32: how many of mask[r, :n] are set (an exclusive prefix
-  count), as a tensor-core matmul within chunks of `chunk` (0/1 inputs and sums <= 128
-  are exact in bf16 with f32 accumulation) plus a cumsum over the [R, N / chunk] chunk
-  totals: no log-depth scan over the whole row."""
-  rows, size = mask.shape
+def _exclusive_counts(masks, chunk=128):
+  """[X, R, N] bool -> [X, R, N] int32: how many of masks[x, r, :n] are set (exclusive
+  prefix counts), as one tensor-core matmul within chunks of `chunk` (0/1 inputs and
+  sums <= 128 are exact in bf16 with f32 accumulation) plus a cumsum over the
+  [X, R, N / chunk] chunk totals: no log-depth scan over the whole row."""
+  num, rows, size = masks.shape
   padded = -(-size // chunk) * chunk
-  m = jnp.pad(mask, ((0, 0), (0, padded - size))).reshape(rows, padded // chunk, chunk)
-  m = m.astype(jnp.bfloat16)
+  m = jnp.pad(masks, ((0, 0), (0, 0), (0, padded - size)))
+  m = m.reshape(num, rows, padded // chunk, chunk).astype(jnp.bfloat16)
   strict_upper = (jnp.arange(chunk)[:, None] < jnp.arange(chunk)[None, :]).astype(
       jnp.bfloat16)
-  within = jnp.einsum("rgc,cd->rgd", m, strict_upper, preferred_element_type=jnp.float32)
-  totals = m.astype(jnp.int32).sum(axis=-1)                          # [R, G]
+  within = jnp.einsum("xrgc,cd->xrgd", m, strict_upper, preferred_element_type=jnp.float32)
+  totals = m.astype(jnp.int32).sum(axis=-1)                          # [X, R, G]
   offsets = jnp.cumsum(totals, axis=-1) - totals                     # exclusive
   out = within.astype(jnp.int32) + offsets[..., None]
-  return out.reshape(rows, padded)[:, :size]
+  return out.reshape(num, rows, padded)[..., :size]
 
 
 def radix_topk(scores, topk, digit_bits=4):
   """Exact top-k of scores [..., S] f32 without a sort: ascending positions of the topk
-  highest (ties towards the lower position), -1 for -inf picks (fewer visible than
-  topk); the same result as `_lax_topk`.
+  highest (ties towards the lower position), -1 padding last where fewer than topk
+  scores are finite; the same result as `_lax_topk`.
 
   The k-th largest score is found digit by digit on order-preserving uint32 keys: 32 /
-  digit_bits passes, each counting per row how many keys are >= each of the 2**bits - 1
-  candidate thresholds of the next digit (one fused XLA reduction reading the scores
-  once); then the keys above the threshold plus the first (topk - count above) keys
-  equal to it are compacted to their positions by two prefix counts and one scatter.
-  About 32 / digit_bits + 3 reads of the f32 scores (4 * T bytes a token, next to the
-  indexer's 256 bytes of bf16 index key), and no sort of the row.
+  digit_bits passes, each counting per row how many keys are >= each of the
+  2**digit_bits - 1 candidate thresholds of the next digit (one fused XLA reduction
+  reading the scores once; 4-bit digits keep its 15 compares an element about as cheap
+  as the read). Then the keys above the threshold plus the first (topk - count above)
+  keys equal to it are compacted to their positions: one pass of two prefix counts
+  (`_exclusive_counts`) and one scatter. About 32 / digit_bits + 3 reads of the f32
+  scores (4 * T bytes a token, beside the indexer's 256 bytes of bf16 index key), and
+  no sort of the row.
   """
   lead = scores.shape[:-1]
   size = scores.shape[-1]
@@ -292,11 +294,13 @@ def radix_topk(scores, topk, digit_bits=4):
     prefix = prefix | (best << shift)
   threshold = prefix[:, None]                                        # the k-th largest
   above = keys > threshold
-  equal = keys == threshold
-  need = topk - above.sum(axis=-1, dtype=jnp.int32)                  # >= 1
-  chosen = above | (equal & (_exclusive_count(equal) < need[:, None]))
-  chosen &= scores != -jnp.inf   # -inf picks stay -1 padding, after the others
-  slot = jnp.where(chosen, _exclusive_count(chosen), topk)
+  # -inf is never picked (where the threshold is -inf, fewer than topk are finite: the
+  # slots left stay -1, after the others).
+  equal = (keys == threshold) & (scores != -jnp.inf)
+  need = topk - above.sum(axis=-1, dtype=jnp.int32)[:, None]         # >= 1
+  before_above, before_equal = _exclusive_counts(jnp.stack([above, equal]))
+  chosen = above | (equal & (before_equal < need))
+  slot = jnp.where(chosen, before_above + jnp.minimum(before_equal, need), topk)
   pos = jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (rows, size))
   row = jnp.broadcast_to(jnp.arange(rows)[:, None], (rows, size))
   out = jnp.full((rows, topk), -1, jnp.int32).at[row, slot].set(pos, mode="drop")

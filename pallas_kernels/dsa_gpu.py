@@ -12,7 +12,10 @@ position, so any page size works and a block may span pages), loaded once for ev
 query row of the tile; per query row one [Hp, di] x [di, block_k] tensor-core dot gives
 all heads' logits, relu and the weighted head sum ([Hp] weights, a column reduction)
 give the row's [block_k] scores, times the per-token scale of fp8 keys. No per-token
-loop: the block is the unit. Blocks past the tile's visible range are written -inf
+loop: the block is the unit. fp8 keys are loaded as 1-byte values and converted in
+registers; under bf16 queries the dots run in float16 (e4m3 -> f16 is one packed
+conversion, e4m3 -> bf16 goes through f32; index queries and keys are O(1) values, well
+inside f16's range), accumulating in f32. Blocks past the tile's visible range are written -inf
 without a load, so a short request's programs cost a store. Heads are padded to a
 power of two >= 16 (zero queries and weights: tensor-core dots need 16 rows) by the
 wrapper in `dsa`. The split is by contiguous shares of the visible blocks, so the
@@ -102,12 +105,17 @@ def _score_kernel(kv_lens_ref, bt_ref, q_ref, w_ref, k_ref, *rest, q_len, heads,
   dead_begin = visible_blocks + split * dead_per_split
   dead_end = jnp.minimum(dead_begin + dead_per_split, total_blocks)
 
-  compute = q_ref.dtype
+  # fp8 keys under bf16 queries compute in float16 (module docstring).
+  fp8_under_bf16 = k_ref.dtype == jnp.float8_e4m3fn and q_ref.dtype == jnp.bfloat16
+  compute = jnp.float16 if fp8_under_bf16 else q_ref.dtype
   precision = lax.Precision.HIGHEST if compute == jnp.float32 else None
   dim = q_ref.shape[1]
   offsets = jnp.arange(block_k, dtype=jnp.int32)
-  # One query row's q tile stays in registers; more are re-read (from L1/L2) per block.
-  q_fixed = q_ref[pl.ds(0, heads), :] if query_rows == 1 else None
+  # Small q tiles (up to 16 k values: 32 KiB of bf16 over the program's threads) stay in
+  # registers across the blocks; larger ones are re-read (from L1 / L2) every block.
+  resident = query_rows * heads * dim <= 16384
+  q_tiles = [q_ref[pl.ds(t * heads, heads), :].astype(compute) for t in range(query_rows)
+             ] if resident else None
 
   def body(j, carry):
     pos = j * block_k + offsets
@@ -118,7 +126,7 @@ def _score_kernel(kv_lens_ref, bt_ref, q_ref, w_ref, k_ref, *rest, q_len, heads,
     if has_scale:
       scale = pltriton.load(ks_ref.at[page, slot], mask=live, other=0.0)
     for t in range(query_rows):
-      qt = q_fixed if q_fixed is not None else q_ref[pl.ds(t * heads, heads), :]
+      qt = q_tiles[t] if resident else q_ref[pl.ds(t * heads, heads), :].astype(compute)
       s = lax.dot_general(qt, keys, NT, precision=precision,
                           preferred_element_type=jnp.float32)          # [Hp, block_k]
       wt = w_ref[t, :]                                                 # [Hp]
