@@ -295,3 +295,11 @@ def test_missing_indexer_tensor_is_named(tmp_path, name):
     with pytest.raises(CheckpointError) as err:
         load(str(dst))
     assert name in str(err.value) or name in "\n".join(getattr(err.value, "full", []))
+
+
+def test_sharded_dsa_engines_reproduce_transformers_greedy():
+    """Meshes of tp (query heads) and dp (slots) on 8 fake CPU devices, in a subprocess."""
+    from test_sharding import run_on_8_devices
+
+    result = run_on_8_devices("sharded_dsa.py")
+    assert result and all(result.values()), result
