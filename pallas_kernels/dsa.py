@@ -352,7 +352,8 @@ class IndexerBlockConfig:
 class SparseBlockConfig:
   """Tiling of the sparse MLA kernel.
 
-  block_k:        selected positions a block (GPU: power of two >= 16; TPU: multiple of 8).
+  block_k:        selected positions a block (GPU: power of two >= 16; TPU: multiple of
+                  128).
   rows_per_block: heads a program (GPU: power of two >= 16; TPU: multiple of 8 / 16).
   num_splits:     programs the indices of a (query row, head tile) are split into (GPU).
   num_warps, num_stages: Triton launch parameters (GPU only).
@@ -467,9 +468,9 @@ def check_sparse_tiling(backend, *, v_dim, head_dim, q_dtype, cfg: SparseBlockCo
     raise ValueError(f"TPU sparse MLA needs SparseBlockConfig.rows_per_block to be a "
                      f"multiple of {q_sublanes} for {jnp.dtype(q_dtype).name} queries, got "
                      f"{cfg.rows_per_block}.")
-  if cfg.block_k % 8:
+  if cfg.block_k % 128:
     raise ValueError(f"TPU sparse MLA needs SparseBlockConfig.block_k to be a multiple of "
-                     f"8, got {cfg.block_k}.")
+                     f"128 (a lane-aligned slice of the index vector), got {cfg.block_k}.")
   if cfg.num_splits != 1:
     raise ValueError("The TPU sparse MLA kernel runs one split; set num_splits=1.")
 

@@ -19,8 +19,11 @@ Sparse MLA. Grid (batch row, query row, tile of heads). The row's indices arrive
 in SMEM (a blocked SMEM input) to address one DMA per selected position ([1, Dk] of
 its page, through the prefetched block table) and in VMEM as a [1, topk] lane vector
 for the score mask. Blocks of `block_k` positions are double-buffered like the pages
-of `paged_mla_tpu`; rows of -1 entries are zeroed in the buffer (they are the values
-too) and masked out of the softmax. One DMA a selected row is many small copies
+of `paged_mla_tpu`. A -1 entry is masked out of the softmax, but its buffer row is also
+a value row, multiplied by its zero weight, so it must hold finite data: the wrapper
+copies the row's largest selected position there instead (cache data the row attends to
+anyway). A row that selects nothing copies position 0, whatever it holds, and returns 0
+(its softmax sum is 0). One DMA a selected row is many small copies
 (1152 bytes at Dk = 576 bf16): the scalar unit issuing them may well bound this
 kernel, which was not measured.
 """
@@ -171,28 +174,23 @@ def _sparse_kernel(bt_ref, idx_smem, idx_vmem, q_ref, kv_hbm, o_ref, kv_buf, acc
   num_blocks = idx_smem.shape[0] // block_k
 
   def copy(j, i, slot):
-    idx = idx_smem[j * block_k + i]
-    pos = jnp.maximum(idx, 0)
+    # The wrapper replaced -1 entries by a selected position of the same row (module
+    # docstring): every copy is of a row the kernel may read.
+    pos = idx_smem[j * block_k + i]
     page_id = bt_ref[b * max_pages + jnp.minimum(lax.div(pos, page_size), max_pages - 1)]
     row = lax.rem(pos, page_size)
-    return idx >= 0, pltpu.make_async_copy(
+    return pltpu.make_async_copy(
         kv_hbm.at[page_id, pl.ds(row, 1)], kv_buf.at[slot, pl.ds(i, 1)], sems.at[slot])
 
   def start(j, slot):
     def one(i, carry):
-      live, c = copy(j, i, slot)
-      pl.when(live)(c.start)
+      copy(j, i, slot).start()
       return carry
     lax.fori_loop(0, block_k, one, 0)
 
   def wait(j, slot):
     def one(i, carry):
-      live, c = copy(j, i, slot)
-      pl.when(live)(c.wait)
-
-      @pl.when(jnp.logical_not(live))
-      def _():  # -1 entries: zero rows (they are also the values)
-        kv_buf[slot, pl.ds(i, 1), :] = jnp.zeros((1, head_dim), kv_buf.dtype)
+      copy(j, i, slot).wait()
       return carry
     lax.fori_loop(0, block_k, one, 0)
 
@@ -236,6 +234,13 @@ def _sparse_kernel(bt_ref, idx_smem, idx_vmem, q_ref, kv_hbm, o_ref, kv_buf, acc
   o_ref[...] = out.astype(o_ref.dtype)
 
 
+def _fetch_positions(indices):
+  """The positions the kernel copies: -1 entries replaced by the row's largest selected
+  position (0 where the row selects nothing)."""
+  fill = jnp.maximum(indices.max(axis=-1, keepdims=True), 0)
+  return jnp.where(indices >= 0, indices, fill)
+
+
 def sparse_mla_tpu(q, kv_pages, block_tables, indices, *, v_dim, sm_scale, block_k,
                    rows_per_block, interpret):
   """q [B, T, Hp, Dk] (Hp a multiple of rows_per_block), indices [B, T, Kp] (Kp a
@@ -273,4 +278,4 @@ def sparse_mla_tpu(q, kv_pages, block_tables, indices, *, v_dim, sm_scale, block
           dimension_semantics=("parallel", "parallel", "parallel")),
       interpret=pltpu.InterpretParams() if interpret else False,
       name="dsa_sparse_mla_tpu",
-  )(block_tables.reshape(-1), indices, indices[:, :, None, :], q, kv_pages)
+  )(block_tables.reshape(-1), _fetch_positions(indices), indices[:, :, None, :], q, kv_pages)

@@ -449,7 +449,7 @@ def test_tpu_sparse_mla_matches_paged_mla_and_reference():
   case = MlaCase("tpu", 3, 16, (40, 2), 48, jnp.bfloat16, v_dim=128, rope=32, heads=4)
   q, kv, table, lens, _ = make_mla(case)
   kw = dict(v_dim=case.v_dim, sm_scale=sm(case))
-  cfg = SparseBlockConfig(block_k=16, rows_per_block=16)
+  cfg = SparseBlockConfig(block_k=128, rows_per_block=16)
   idx = np.asarray(all_visible(lens, 3, table.shape[1] * 16))[..., :48]
   idx = jnp.asarray(np.where(np.arange(48) < 46, idx, -1), jnp.int32)  # some -1 tail
   # Random ones first: the first program meets -1 entries in never-written (NaN) buffer
@@ -583,6 +583,12 @@ def test_sparse_inputs_are_checked():
   with pytest.raises(ValueError, match="rows_per_block to be a power of two"):
     sparse_mla_kernel(q, kv, table, idx, **ok, backend="gpu", interpret=True,
                       block_config=SparseBlockConfig(rows_per_block=24))
+  wide = MlaCase("tpu", 1, 16, (40,), 8, jnp.bfloat16, v_dim=128, rope=32)
+  q, kv, table, _, _ = make_mla(wide)
+  with pytest.raises(ValueError, match="block_k to be a multiple of 128"):
+    sparse_mla_kernel(q, kv, table, random_indices(wide), v_dim=128, sm_scale=0.1,
+                      backend="tpu", interpret=True,
+                      block_config=SparseBlockConfig(block_k=16, rows_per_block=16))
   with pytest.raises(ValueError):
     SparseBlockConfig(num_splits=0)
 
