@@ -171,12 +171,12 @@ def _sparse_kernel(bt_ref, idx_smem, idx_vmem, q_ref, kv_hbm, o_ref, kv_buf, acc
   rows, head_dim = q_ref.shape
   page_size = kv_hbm.shape[1]
   rope_dim = head_dim - v_dim
-  num_blocks = idx_smem.shape[0] // block_k
+  num_blocks = idx_smem.shape[1] // block_k
 
   def copy(j, i, slot):
     # The wrapper replaced -1 entries by a selected position of the same row (module
     # docstring): every copy is of a row the kernel may read.
-    pos = idx_smem[j * block_k + i]
+    pos = idx_smem[0, j * block_k + i]
     page_id = bt_ref[b * max_pages + jnp.minimum(lax.div(pos, page_size), max_pages - 1)]
     row = lax.rem(pos, page_size)
     return pltpu.make_async_copy(
@@ -255,7 +255,7 @@ def sparse_mla_tpu(q, kv_pages, block_tables, indices, *, v_dim, sm_scale, block
       num_scalar_prefetch=1,
       grid=(batch, q_len, heads // rows_per_block),
       in_specs=[
-          pl.BlockSpec((None, None, topk), lambda b, t, h, *_: (b, t, 0),
+          pl.BlockSpec((None, None, 1, topk), lambda b, t, h, *_: (b, t, 0, 0),
                        memory_space=pltpu.SMEM),
           pl.BlockSpec((None, None, 1, topk), lambda b, t, h, *_: (b, t, 0, 0)),
           pl.BlockSpec((None, None, rows_per_block, head_dim),
@@ -278,4 +278,5 @@ def sparse_mla_tpu(q, kv_pages, block_tables, indices, *, v_dim, sm_scale, block
           dimension_semantics=("parallel", "parallel", "parallel")),
       interpret=pltpu.InterpretParams() if interpret else False,
       name="dsa_sparse_mla_tpu",
-  )(block_tables.reshape(-1), _fetch_positions(indices), indices[:, :, None, :], q, kv_pages)
+  )(block_tables.reshape(-1), _fetch_positions(indices)[:, :, None, :], indices[:, :, None, :],
+    q, kv_pages)

@@ -604,3 +604,40 @@ def test_default_configs():
   assert (cfg.rows_per_block, cfg.block_k, cfg.num_splits) == (64, 64, 1)
   cfg = dsa.default_sparse_config(1, 1, 128, 576, 2048, jnp.bfloat16, "gpu")
   assert cfg.num_splits > 1
+
+
+# ------------------------------------------------- lowering at DeepSeek-V3.2 shapes
+def _lower_for(platform, fn, *args):
+  """Lower fn for `platform` without its device: Pallas' own lowering (to Triton IR for
+  cuda, to Mosaic for tpu) runs, catching block shapes and ops the interpreter accepts
+  but the compiler would not. Skips where this jax cannot lower for the platform."""
+  traced = jax.jit(fn).trace(*args)
+  try:
+    return traced.lower(lowering_platforms=(platform,)).as_text()
+  except (NotImplementedError, RuntimeError) as e:
+    if "platform" in str(e).lower() or "unknown backend" in str(e).lower():
+      pytest.skip(f"cannot lower for {platform} here: {e}")
+    raise
+
+
+@pytest.mark.parametrize("platform,backend", [("cuda", "gpu"), ("tpu", "tpu")])
+def test_kernels_lower_at_deepseek_shapes(platform, backend):
+  """Hi 64, di 128, topk 2048, H 128, Dk 576 (512 + 64), page 64, verify T = 2, with
+  bf16 and fp8 caches: the kernels lower for the real compiler (not only interpret)."""
+  spec = jax.ShapeDtypeStruct
+  batch, t, pages, width = 2, 2, 40, 8
+  table, lens = spec((batch, width), jnp.int32), spec((batch,), jnp.int32)
+  q, w = spec((batch, t, 64, 128), jnp.bfloat16), spec((batch, t, 64), jnp.float32)
+  for keys, scale in ((spec((pages, 64, 128), jnp.bfloat16), None),
+                      (spec((pages, 64, 128), FP8), spec((pages, 64), jnp.float32))):
+    text = _lower_for(platform, lambda q, w, k, bt, kl, s: indexer_topk(
+        q, w, k, bt, kl, topk=2048, k_scale=s, backend=backend), q, w, keys, table, lens,
+        scale)
+    assert "dsa_index_scores" in text
+  mq, idx = spec((batch, t, 128, 576), jnp.bfloat16), spec((batch, t, 2048), jnp.int32)
+  for kv, scale in ((spec((pages, 64, 576), jnp.bfloat16), None),
+                    (spec((pages, 64, 576), FP8), spec((2,), jnp.float32))):
+    text = _lower_for(platform, lambda q, kv, bt, i, s: sparse_mla(
+        q, kv, bt, i, v_dim=512, sm_scale=0.1, kv_scale=s, backend=backend), mq, kv, table,
+        idx, scale)
+    assert "dsa_sparse_mla" in text
