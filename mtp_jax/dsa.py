@@ -137,21 +137,25 @@ def dense_selection(index: IndexQuery, keys, visible, previous=None):
 
 
 # ------------------------------------------------------------------- paged selection
-def paged_topk(index: IndexQuery, k_pages, block_table, kv_lens, *, backend=None):
+def paged_topk(index: IndexQuery, k_pages, block_table, kv_lens, *, backend=None,
+               k_scale=None):
     """[B, T, topk] int32 token positions (-1 padded) per query row, from the index-key
-    pages k_pages [num_pages, page_size, di]; row t of request b sits at position
-    kv_lens[b] - T + t and sees positions <= it."""
+    pages k_pages [num_pages, page_size, di] (fp8 with per-token k_scale [num_pages,
+    page_size]); row t of request b sits at position kv_lens[b] - T + t and sees
+    positions <= it."""
     from pallas_kernels import dsa as dsa_kernel
     return dsa_kernel.indexer_topk(index.q, index.w, k_pages, block_table, kv_lens,
-                                   topk=index.topk, backend=backend)
+                                   topk=index.topk, k_scale=k_scale, backend=backend)
 
 
-def paged_sparse_mla(q, kv_pages, block_table, indices, *, v_dim, sm_scale, backend=None):
-    """MLA over the latent pages kv_pages [num_pages, page_size, D], each query attending
-    only to its `indices` [B, T, topk] (-1: none)."""
+def paged_sparse_mla(q, kv_pages, block_table, indices, *, v_dim, sm_scale, backend=None,
+                     kv_scale=None):
+    """MLA over the latent pages kv_pages [num_pages, page_size, D] (fp8 with the row's
+    (latent, rope) kv_scale [2]), each query attending only to its `indices` [B, T, topk]
+    (-1: none)."""
     from pallas_kernels import dsa as dsa_kernel
     return dsa_kernel.sparse_mla(q, kv_pages, block_table, indices, v_dim=v_dim,
-                                 sm_scale=sm_scale, backend=backend)
+                                 sm_scale=sm_scale, kv_scale=kv_scale, backend=backend)
 
 
 def check_kernels(layout, eng, cfg) -> None:
@@ -170,21 +174,27 @@ def check_kernels(layout, eng, cfg) -> None:
     if backend == "reference" or d.index_topk >= layout.width * layout.page_size:
         return
     b, dtype = eng.max_batch, jnp.dtype(layout.dtype)
+    fp8 = layout.scales is not None
+    q_dtype = jnp.dtype(jnp.bfloat16) if fp8 else dtype  # the narrowest q fp8 pages take
     pages = layout.groups[0].num_pages
     spec = jax.ShapeDtypeStruct
+    k_scale = spec((pages, layout.page_size), jnp.float32) if fp8 else None
+    kv_scale = spec((2,), jnp.float32) if fp8 else None
     for t in sorted({1, eng.prefill_chunk}):
         table, lens = spec((b, layout.width), jnp.int32), spec((b,), jnp.int32)
         try:
-            jax.eval_shape(lambda q, w, k, bt, kl: dsa_kernel.indexer_topk(
-                q, w, k, bt, kl, topk=d.index_topk, backend=backend),
-                spec((b, t, d.index_n_heads, d.index_head_dim), dtype),
+            jax.eval_shape(lambda q, w, k, bt, kl, ks: dsa_kernel.indexer_topk(
+                q, w, k, bt, kl, topk=d.index_topk, k_scale=ks, backend=backend),
+                spec((b, t, d.index_n_heads, d.index_head_dim), q_dtype),
                 spec((b, t, d.index_n_heads), jnp.float32),
-                spec((pages, layout.page_size, d.index_head_dim), dtype), table, lens)
-            jax.eval_shape(lambda q, kv, bt, idx: dsa_kernel.sparse_mla(
-                q, kv, bt, idx, v_dim=m.kv_lora_rank, sm_scale=1.0, backend=backend),
-                spec((b, t, cfg.num_heads, m.cache_dim), dtype),
+                spec((pages, layout.page_size, d.index_head_dim), dtype), table, lens,
+                k_scale)
+            jax.eval_shape(lambda q, kv, bt, idx, ks: dsa_kernel.sparse_mla(
+                q, kv, bt, idx, v_dim=m.kv_lora_rank, sm_scale=1.0, kv_scale=ks,
+                backend=backend),
+                spec((b, t, cfg.num_heads, m.cache_dim), q_dtype),
                 spec((pages, layout.page_size, m.cache_dim), dtype), table,
-                spec((b, t, d.index_topk), jnp.int32))
+                spec((b, t, d.index_topk), jnp.int32), kv_scale)
         except ValueError as e:
             raise ConfigError(f"index_n_heads={d.index_n_heads}, index_head_dim="
                               f"{d.index_head_dim}, index_topk={d.index_topk}, kv_lora_rank="

@@ -43,7 +43,7 @@ from .dsa import check_kernels as check_dsa_kernels
 from .dsa import index_dim, paged_sparse_mla, paged_topk
 from .model import cache_entry
 from .pages import PageAllocator  # noqa: F401  (host-side, jax-free; re-exported)
-from .quant import FP8_KV_DTYPE, latent_row_scale
+from .quant import FP8_KV_DTYPE, FP8_MAX, latent_row_scale
 from .sharding import P, batch_axis, kv_heads_axis, shard_kernel
 
 
@@ -70,7 +70,8 @@ class KVLayout:
     # layer: ((latent scale, rope scale), ()), for the row's two parts
     scales: Optional[tuple] = None
     # DeepSeek Sparse Attention: per layer, the index-key dims a token caches in an array of
-    # its own after the latent row's, [1, pages, page_size, dims] (0: none; empty: no layer)
+    # its own after the latent row's, [1, pages, page_size, dims] (0: none; empty: no layer);
+    # fp8 pages add each token's index-key scale, [1, pages, page_size, 1] float32
     index_dims: tuple = ()
 
     @property
@@ -95,7 +96,17 @@ class KVLayout:
         shapes = (k,) if self.latent else (k, (heads, pages, self.page_size, v_dims))
         if self.index_dims and self.index_dims[layer]:
             shapes += ((1, pages, self.page_size, self.index_dims[layer]),)
+            if self.scales is not None:
+                shapes += ((1, pages, self.page_size, 1),)
         return shapes
+
+    def page_dtypes(self, layer: int) -> tuple:
+        """The dtype of each array of `page_shapes(layer)`: the pages', and float32 for
+        the per-token index-key scales of fp8 pages."""
+        n = len(self.page_shapes(layer))
+        extra = 1 if self.index_dims and self.index_dims[layer] and self.scales is not None \
+            else 0
+        return (self.dtype,) * (n - extra) + ("float32",) * extra
 
     def pages_for(self, group: int, tokens: int) -> int:
         g = self.groups[group]
@@ -104,16 +115,19 @@ class KVLayout:
     def bytes_per_page(self, group: int = 0) -> int:
         """Bytes one page id of `group` holds over all the group's layers."""
         return page_bytes(self.layer_dims, [g == group for g in self.layer_group],
-                          self.page_size, self.dtype, self.index_dims)
+                          self.page_size, self.dtype, self.index_dims,
+                          4 if self.scales is not None else 0)
 
 
-def page_bytes(layer_dims, members, page_size: int, dtype, index_dims=()) -> int:
+def page_bytes(layer_dims, members, page_size: int, dtype, index_dims=(),
+               index_scale_bytes: int = 0) -> int:
     """Bytes of one page id over the layers flagged in `members` (k and v, or a latent
-    row, per layer, and a DSA layer's index keys)."""
+    row, per layer, and a DSA layer's index keys with, for fp8 pages, their scales)."""
     index_dims = index_dims or (0,) * len(layer_dims)
-    return page_size * jnp.dtype(dtype).itemsize * sum(
-        heads * (dims + v_dims) + idx for (heads, dims, v_dims), idx, m
-        in zip(layer_dims, index_dims, members) if m)
+    return page_size * sum(
+        jnp.dtype(dtype).itemsize * (heads * (dims + v_dims) + idx)
+        + (index_scale_bytes if idx else 0)
+        for (heads, dims, v_dims), idx, m in zip(layer_dims, index_dims, members) if m)
 
 
 def make_layout(cfg: ModelConfig, eng: EngineConfig, k: int, dtype, *,
@@ -143,12 +157,10 @@ def make_layout(cfg: ModelConfig, eng: EngineConfig, k: int, dtype, *,
     layer_dims = tuple(e[:3] for e in entries)
     index_dims = tuple(index_dim(cfg, i) for i in range(len(windows)))
     index_dims = index_dims if any(index_dims) else ()
-    if index_dims and scales is not None:
-        raise ConfigError("kv_dtype='fp8' with DeepSeek Sparse Attention (index_topk) is not "
-                          "implemented: its index keys have no fp8 scales yet")
     groups = []
     for w in [None] + kinds:
-        group_bytes = page_bytes(layer_dims, [x == w for x in windows], ps, dtype, index_dims)
+        group_bytes = page_bytes(layer_dims, [x == w for x in windows], ps, dtype, index_dims,
+                                 4 if scales is not None else 0)
         if w is None:
             per_req = math.ceil((eng.max_model_len + k) / ps)
             ring = 0
@@ -195,7 +207,8 @@ def check_kernels(layout: KVLayout, eng: EngineConfig, cfg: ModelConfig) -> None
 
 def init_caches(layout: KVLayout):
     """Zeroed pages for every layer: (k, v), or (kv,) for a latent layout."""
-    return tuple(tuple(jnp.zeros(shape, layout.dtype) for shape in layout.page_shapes(i))
+    return tuple(tuple(jnp.zeros(shape, dtype) for shape, dtype in
+                       zip(layout.page_shapes(i), layout.page_dtypes(i)))
                  for i in range(layout.num_layers))
 
 
@@ -317,12 +330,22 @@ class PagedKV:
         visible token when no row can see more than index_topk of them (the table's width
         bounds that statically), or over the previous layer's selection (a shared layer)."""
         cache = self.caches[layer]
-        pages = self._write(cache[:1], kv, None, slots, (), v_dim)
+        scales = self._scales(layer)  # fp8 pages: the latent row's (latent, rope) scales
+        pages = self._write(cache[:1], kv, None, slots, scales, v_dim)
         if not index.shared:
-            pages += self._write(cache[1:], index.k[:, :, None], None, slots, (), None)
+            k = index.k[:, :, None]
+            if scales:  # fp8 index keys, each token over its own scale (amax / 448)
+                amax = jnp.max(jnp.abs(k.astype(jnp.float32)), axis=-1, keepdims=True)
+                k_scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+                pages += self._write(cache[1:2], k.astype(jnp.float32) / k_scale, None,
+                                     slots, (), None)
+                pages += self._write(cache[2:], k_scale, None, slots, (), None)
+            else:
+                pages += self._write(cache[1:], k, None, slots, (), None)
         self.caches[layer] = pages
         if index.topk >= table.shape[1] * self.layout.page_size:
-            return self._attend(q, pages[:1], table, kv_lens, None, sm_scale, v_dim, None, ())
+            return self._attend(q, pages[:1], table, kv_lens, None, sm_scale, v_dim, None,
+                                scales)
         dp = self.dp
         if index.shared:
             if "last" not in selected:
@@ -330,24 +353,29 @@ class PagedKV:
                                  "an indexer before it in the same forward")
             indices = selected["last"]
         else:
-            def topk(q_i, w, k_pages, table, kv_lens):
+            def topk(q_i, w, k_pages, table, kv_lens, *k_scale):
                 return paged_topk(dataclasses.replace(index, q=q_i, w=w), k_pages[0], table,
-                                  kv_lens, backend=self.backend)
+                                  kv_lens, backend=self.backend,
+                                  k_scale=k_scale[0][0, :, :, 0] if k_scale else None)
 
+            page = P(None, None, None, None)
             fn = shard_kernel(topk, self.mesh, (P(dp, None, None, None), P(dp, None, None),
-                                                P(None, None, None, None), P(dp, None),
-                                                P(dp)), P(dp, None, None))
-            indices = selected["last"] = fn(index.q, index.w, pages[1], table, kv_lens)
+                                                page, P(dp, None), P(dp))
+                              + (page,) * len(pages[2:]), P(dp, None, None))
+            indices = selected["last"] = fn(index.q, index.w, pages[1], table, kv_lens,
+                                            *pages[2:])
         heads = kv_heads_axis(self.mesh, q.shape[2])
 
-        def attn(q, kv, table, indices):
+        def attn(q, kv, table, indices, *kv_scale):
             return paged_sparse_mla(q, kv[0], table, indices, v_dim=v_dim, sm_scale=sm_scale,
-                                    backend=self.backend)
+                                    backend=self.backend,
+                                    kv_scale=kv_scale[0] if kv_scale else None)
 
         rows = P(dp, None, heads, None)
         fn = shard_kernel(attn, self.mesh, (rows, P(None, None, None, None), P(dp, None),
-                                            P(dp, None, None)), rows)
-        return fn(q, pages[0], table, indices)
+                                            P(dp, None, None)) + (P(None),) * len(scales),
+                          rows)
+        return fn(q, pages[0], table, indices, *scales)
 
 
 __all__ = ["DROP_SLOT", "KVGroup", "KVLayout", "make_layout", "init_caches", "PageAllocator",

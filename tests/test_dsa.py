@@ -180,12 +180,16 @@ def test_training_forward_sparse_binds_and_covering_topk_is_dense(case):
     assert np.abs(sparse[topk + 1:] - huge[topk + 1:]).max() > 1e-2
 
 
-def test_paged_sparse_kernel_path_with_covering_topk_equals_dense_path():
+@pytest.mark.parametrize("kv_dtype", [None, "fp8"])
+def test_paged_sparse_kernel_path_with_covering_topk_equals_dense_path(kv_dtype):
     """PagedKV: index_topk below the table's capacity (the indexer_topk + sparse_mla path) but
-    above every row's context selects everything: the same as the static dense path."""
+    above every row's context selects everything: the same as the static dense path (fp8
+    pages too: latent rows over their scales, index keys over per-token ones)."""
     cfg = load(fixture("glm_moe_dsa_glm5")).config
-    eng = EngineConfig(max_batch=2, max_model_len=32, page_size=4, prefill_chunk=8)
-    layout = make_layout(cfg, eng, 1, jnp.float32)
+    eng = EngineConfig(max_batch=2, max_model_len=32, page_size=4, prefill_chunk=8,
+                       kv_dtype=kv_dtype)
+    scales = (((0.01, 0.02), ()),) * cfg.num_layers_total if kv_dtype else None
+    layout = make_layout(cfg, eng, 1, jnp.float32, scales=scales)
     capacity = layout.width * layout.page_size
     b, t = 2, 8
     tables = tuple(jnp.asarray(np.arange(1, 1 + b * layout.width).reshape(b, layout.width)
@@ -256,11 +260,23 @@ def test_index_topk_past_max_model_len_runs_dense():
     assert _run(model, "eagle", 2, _requests(gold))[0] == want
 
 
-def test_fp8_kv_cache_with_dsa_is_refused():
-    model = load(fixture("deepseek_v32_saved"))
-    with pytest.raises(ConfigError, match="fp8"):
-        Engine(model, SpecConfig(method="none"), EngineConfig(max_batch=1, max_model_len=64,
-                                                              kv_dtype="fp8"))
+def test_fp8_kv_cache_index_keys_per_token_scales():
+    """kv_dtype fp8: latent rows over their calibrated scales, index keys fp8 over a scale
+    per token (float32 [1, pages, page_size, 1] beside them); speculation stays lossless
+    against `none` on the same cache, and the greedy tokens stay near transformers'."""
+    case = "glm_moe_dsa_shared"
+    model, gold = load(fixture(case)), golden(case)
+    layout = make_layout(model.config, EngineConfig(max_batch=2, max_model_len=64,
+                                                    kv_dtype="fp8"), 1, jnp.float32,
+                         scales=(((1.0, 1.0), ()),) * 5)
+    assert [len(layout.page_shapes(i)) for i in range(5)] == [3, 1, 3, 1, 3]
+    assert layout.page_dtypes(0) == ("float8_e4m3fn", "float8_e4m3fn", "float32")
+    caches = init_caches(layout)
+    assert caches[0][2].shape[-1] == 1 and caches[0][2].dtype == jnp.float32
+    none = _run(model, "none", 1, _requests(gold), kv_dtype="fp8")
+    assert _run(model, "chain", 1, _requests(gold), kv_dtype="fp8") == none
+    # tiny random models decide greedy tokens by small margins: the first ones agree
+    assert none[0][:3] == gold["greedy"].tolist()[:3], (none[0], gold["greedy"])
 
 
 def test_untileable_dsa_shapes_are_a_config_error_before_compiling(monkeypatch):
