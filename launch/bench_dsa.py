@@ -14,8 +14,10 @@ Timed per shape (best and median of --reps loops, see `time_call`):
   scores      the indexer's score kernel (GPU Pallas); bytes = index keys (di * 2 a
               token, fp8: di + 4) + the f32 scores written (4 * T a token)
   scores fp8  the same over fp8 keys
-  topk radix  `dsa.radix_topk` over those scores (the GPU default); bytes = one read of
-              the scores (the nominal size, not the passes it makes)
+  topk radix  `dsa.radix_topk` with the GPU compaction kernel over those scores (the GPU
+              default); bytes = one read of the scores (the nominal size, not the
+              passes it makes)
+  topk radix_xla  the same select compacted by XLA ops only
   topk lax    lax.top_k over the same scores (then a sort of the topk positions)
   indexer     `indexer_topk` as the model calls it (scores + the default top-k)
   sparse      `sparse_mla` (GPU Pallas) over the indexer's own selection; bytes = the
@@ -23,7 +25,7 @@ Timed per shape (best and median of --reps loops, see `time_call`):
   dense       `paged_mla` (the repo's dense GPU kernel); bytes = B * ctx * Dk * 2 + q + out
 "% copy" is bytes / time over the copy bandwidth (read + write of a 4 GiB device copy,
 `copy_bandwidth` of launch/bench_paged_attention.py). The table's last columns give the
-top-k's share of the indexer (radix and lax: the target is <= 25 %), DSA attention =
+top-k's share of the score kernel (each method: the target is <= 25 %), DSA attention =
 indexer + sparse, and per (B, T) the ratio attention(128k) / attention(4k) for DSA vs
 dense: dense grows with the context, DSA's sparse part does not, its indexer does.
 
@@ -168,23 +170,22 @@ def run_shape(batch, ctx, q_len, key, reps, copy_bw, fp8):
   score_bytes = batch * q_len * ctx * 4
   out = dict(batch=batch, ctx=ctx, q_len=q_len, pool_sets=int(x["tables"].shape[0]))
 
-  def scores_fn(keys, k_scale=None):
-    def fn(t, dep, q, w, k, lens, *s):
-      return dsa.index_scores(q, w, k, t, lens + dep, k_scale=s[0] if s else None, **kw)
-    return fn
+  def scores_fn(t, dep, q, w, k, lens, *s):
+    return dsa.index_scores(q, w, k, t, lens + dep, k_scale=s[0] if s else None, **kw)
 
   rest = (x["q"], x["w"], x["keys"], x["kv_lens"])
-  out["scores"] = measure("scores", scores_fn(x["keys"]), x["tables"], rest,
+  out["scores"] = measure("scores", scores_fn, x["tables"], rest,
                           batch * ctx * DI * 2 + score_bytes, reps, copy_bw)
   if fp8:
     rest8 = (x["q"], x["w"], x["keys8"], x["kv_lens"], x["k_scale"])
-    out["scores_fp8"] = measure("scores fp8", scores_fn(x["keys8"]), x["tables"], rest8,
+    out["scores_fp8"] = measure("scores fp8", scores_fn, x["tables"], rest8,
                                 batch * ctx * (DI + 4) + score_bytes, reps, copy_bw)
 
   scores = dsa.index_scores(x["q"], x["w"], x["keys"], x["tables"][0], x["kv_lens"], **kw)
   for method in dsa.TOPK_METHODS:
     def topk_fn(t, dep, s, method=method):
-      return dsa.select_topk(s + dep.astype(jnp.float32), TOPK, method)
+      # dep joins as a scalar add, which XLA fuses into the passes rather than copying.
+      return dsa.select_topk(s + dep.astype(jnp.float32), TOPK, method, interpret=INTERPRET)
     out[f"topk_{method}"] = measure(f"topk {method}", topk_fn, x["tables"], (scores,),
                                     score_bytes, reps, copy_bw)
 
@@ -247,6 +248,7 @@ def table_rows(results):
              f"{us(s)} ({pct(e, 'scores')})",
              f"{us(_t(e, 'scores_fp8'))} ({pct(e, 'scores_fp8')})",
              f"{us(_t(e, 'topk_radix'))} ({share(_t(e, 'topk_radix'), s)})",
+             f"{us(_t(e, 'topk_radix_xla'))} ({share(_t(e, 'topk_radix_xla'), s)})",
              f"{us(_t(e, 'topk_lax'))} ({share(_t(e, 'topk_lax'), s)})",
              us(ix), f"{us(sp)} ({pct(e, 'sparse')})", us(attn),
              f"{us(_t(e, 'dense'))} ({pct(e, 'dense')})"]
@@ -324,9 +326,10 @@ def main():
       f"di={DI}, topk={TOPK}; page {PAGE}; every row at kv_len = ctx",
       "",
       "| B | ctx | T | scores us (% copy) | scores fp8 us (% copy) "
-      "| topk radix us (% of scores) | topk lax us (% of scores) | indexer us "
+      "| topk radix us (% of scores) | topk radix_xla us (% of scores) "
+      "| topk lax us (% of scores) | indexer us "
       "| sparse MLA us (% copy) | DSA attention us | dense paged MLA us (% copy) |",
-      "|---|---|---|---|---|---|---|---|---|---|---|",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|",
       *table_rows(results),
       "",
       f"attention(ctx {max(CTXS)}) / attention(ctx {min(CTXS)}); DSA = indexer + sparse:",

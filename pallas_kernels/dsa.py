@@ -37,8 +37,38 @@ Returns [B, T, H, v_dim] in q.dtype.
 
 Backends: "gpu" (Pallas Triton), "tpu" (Mosaic TPU), "reference" (pure jnp); None reads
 $MTP_JAX_DSA_BACKEND, else jax.default_backend() (cpu: reference). interpret=True runs
-the chosen backend's Pallas kernels in interpret mode. The GPU top-k is an exact radix
-threshold select (`radix_topk`); TPU takes lax.top_k. See the backends' docstrings.
+the chosen backend's Pallas kernels in interpret mode. Both kernel backends run Pallas
+kernels for the scores (`index_scores`) and for sparse MLA; the top-k between them is
+XLA plus, on GPU, a Pallas compaction kernel: an exact radix threshold select
+(`radix_topk`); on TPU lax.top_k. See the
+backends' docstrings (dsa_gpu.py, dsa_tpu.py) for the kernels.
+
+Cost and choices. Decode reads each visible index key once (256 bytes a token in bf16,
+132 in fp8 with its scale) and writes 4 * T bytes of f32 scores a token; the scores are
+materialised at the table's full width W * page_size (-inf past each row's context), so
+the top-k costs as much for a short request as for a full table. The top-k is over up
+to 128k scores a row with topk = 2048. lax.top_k lowers to a sort of the row on GPU
+(XLA has no partial top-k for large k): several passes over the scores and their
+indices. `radix_topk` instead finds the k-th largest score with 8 counting passes (4-bit
+digits, 15 compares an element, each pass one fused XLA reduction) and compacts: on GPU
+(method 'radix') with one more reduction and the Pallas kernel
+`dsa_gpu.compact_topk_gpu`, about 10 reads of 4 * T bytes a token in all against the
+indexer's 256, i.e. about 16 % of the score kernel's bytes at T = 1 and 31 % at T = 2
+when every pass goes to device memory (less where the scores stay in L2: 33 MB at
+B = 32, T = 2, 128k); 'radix_xla' compacts with XLA ops only (a bf16 matmul for the
+prefix counts and a scatter; more temporaries). 'radix' is the GPU default on that
+estimate; launch/bench_dsa.py times all three on the same scores and reports each as a
+share of the score kernel's time, which is what should settle it. TPU keeps lax.top_k
+(XLA's TPU sort-based top-k; the GPU compaction kernel does not run there; untimed).
+Prefill (large T) scores 4 query rows a program on GPU, 8 on TPU, so the keys are
+re-read T / 4 times there, still below the tile's matrix work; the [B, T, W * page_size]
+scores are the memory bound of a long chunk. A fused score-and-select kernel, which
+would not write the scores, is not built.
+
+Verification: the references against plain numpy loops, the kernels in interpret mode
+against the references (tests/test_dsa_kernels.py), and every kernel lowered for cuda
+(Pallas to Triton IR) and tpu (Pallas to Mosaic) at DeepSeek-V3.2 shapes. Neither
+kernel set has been compiled by Triton or Mosaic nor run on a GPU or TPU here.
 """
 
 from __future__ import annotations
@@ -56,7 +86,7 @@ from pallas_kernels.common import FP8_DTYPE, check_positive_ints, next_pow2, res
 from pallas_kernels.paged_mla import scale_queries
 
 BACKEND_ENV_VAR = "MTP_JAX_DSA_BACKEND"
-TOPK_METHODS = ("radix", "lax")
+TOPK_METHODS = ("radix", "radix_xla", "lax")
 
 
 def _resolve_backend(backend):
@@ -261,20 +291,40 @@ def _exclusive_counts(masks, chunk=128):
   return out.reshape(num, rows, padded)[..., :size]
 
 
-def radix_topk(scores, topk, digit_bits=4):
+COMPACT_CHUNK = 1024  # scores a program of the GPU compaction kernel
+
+
+def radix_threshold(keys, topk, digit_bits=4):
+  """[R] uint32: the topk-th largest of each row of keys [R, N] (uint32, N >= topk),
+  digit by digit: 32 / digit_bits passes, each counting per row how many keys are >=
+  each of the 2**digit_bits - 1 candidates for the next digit (one fused XLA reduction
+  reading the keys once; 4-bit digits keep its 15 compares an element about as cheap as
+  the read); the largest candidate whose count still reaches topk fixes the digit."""
+  rows = keys.shape[0]
+  digits = jnp.arange(1, 1 << digit_bits, dtype=jnp.uint32)          # [D]
+  prefix = jnp.zeros((rows,), jnp.uint32)
+  for shift in range(32 - digit_bits, -1, -digit_bits):
+    cand = prefix[:, None] | (digits[None, :] << shift)              # [R, D]
+    counts = jnp.sum(keys[:, :, None] >= cand[:, None, :], axis=1, dtype=jnp.int32)
+    best = jnp.sum(counts >= topk, axis=-1, dtype=jnp.uint32)        # counts fall with d
+    prefix = prefix | (best << shift)
+  return prefix
+
+
+def radix_topk(scores, topk, digit_bits=4, compact="xla", interpret=False):
   """Exact top-k of scores [..., S] f32 without a sort: ascending positions of the topk
   highest (ties towards the lower position), -1 padding last where fewer than topk
   scores are finite; the same result as `_lax_topk`.
 
-  The k-th largest score is found digit by digit on order-preserving uint32 keys: 32 /
-  digit_bits passes, each counting per row how many keys are >= each of the
-  2**digit_bits - 1 candidate thresholds of the next digit (one fused XLA reduction
-  reading the scores once; 4-bit digits keep its 15 compares an element about as cheap
-  as the read). Then the keys above the threshold plus the first (topk - count above)
-  keys equal to it are compacted to their positions: one pass of two prefix counts
-  (`_exclusive_counts`) and one scatter. About 32 / digit_bits + 3 reads of the f32
-  scores (4 * T bytes a token, beside the indexer's 256 bytes of bf16 index key), and
-  no sort of the row.
+  `radix_threshold` finds the k-th largest score (8 counting passes at 4-bit digits).
+  Then the scores above it plus the first (topk - count above) equal to it are
+  compacted to their positions. compact='xla': one pass of two prefix counts
+  (`_exclusive_counts`, a bf16 matmul within 128-score chunks) and a scatter, portable
+  but several reads and writes of [R, S] temporaries. compact='gpu': per-chunk counts
+  (one fused reduction), their prefix over the [R, S / 1024] chunks, and the Pallas
+  kernel `dsa_gpu.compact_topk_gpu`, which reads each score once more and scatters only
+  the topk chosen positions. Either way no sort of the row; the GPU path reads the
+  scores about 10 times (8 + 2).
   """
   lead = scores.shape[:-1]
   size = scores.shape[-1]
@@ -283,20 +333,29 @@ def radix_topk(scores, topk, digit_bits=4):
     scores = jnp.pad(scores, ((0, 0), (0, topk - size)), constant_values=-jnp.inf)
     size = topk
   rows = scores.shape[0]
+  if compact == "gpu":
+    padded = -(-size // COMPACT_CHUNK) * COMPACT_CHUNK
+    scores = jnp.pad(scores, ((0, 0), (0, padded - size)), constant_values=-jnp.inf)
+    size = padded
   keys = _ordered_keys(scores)                                       # [R, S]
-  digits = jnp.arange(1, 1 << digit_bits, dtype=jnp.uint32)          # [D]
-  prefix = jnp.zeros((rows,), jnp.uint32)
-  for shift in range(32 - digit_bits, -1, -digit_bits):
-    cand = prefix[:, None] | (digits[None, :] << shift)              # [R, D]
-    counts = jnp.sum(keys[:, :, None] >= cand[:, None, :], axis=1, dtype=jnp.int32)
-    # counts fall with the digit: the largest digit whose count still reaches topk.
-    best = jnp.sum(counts >= topk, axis=-1, dtype=jnp.uint32)
-    prefix = prefix | (best << shift)
-  threshold = prefix[:, None]                                        # the k-th largest
+  threshold = radix_threshold(keys, topk, digit_bits)[:, None]       # the k-th largest
   above = keys > threshold
   # -inf is never picked (where the threshold is -inf, fewer than topk are finite: the
   # slots left stay -1, after the others).
   equal = (keys == threshold) & (scores != -jnp.inf)
+  if compact == "gpu":
+    from pallas_kernels.dsa_gpu import compact_topk_gpu
+    chunks = size // COMPACT_CHUNK
+    per_a = above.reshape(rows, chunks, COMPACT_CHUNK).sum(-1, dtype=jnp.int32)
+    per_e = equal.reshape(rows, chunks, COMPACT_CHUNK).sum(-1, dtype=jnp.int32)
+    need = topk - per_a.sum(-1)
+    signed = lax.bitcast_convert_type(threshold[:, 0] ^ jnp.uint32(0x80000000), jnp.int32)
+    out = compact_topk_gpu(scores, signed, need, jnp.cumsum(per_a, -1) - per_a,
+                           jnp.cumsum(per_e, -1) - per_e, topk=topk, chunk=COMPACT_CHUNK,
+                           interpret=interpret)
+    return out.reshape(*lead, topk)
+  if compact != "xla":
+    raise ValueError(f"unknown compaction {compact!r}; expected 'xla' or 'gpu'.")
   need = topk - above.sum(axis=-1, dtype=jnp.int32)[:, None]         # >= 1
   before_above, before_equal = _exclusive_counts(jnp.stack([above, equal]))
   chosen = above | (equal & (before_equal < need))
@@ -307,11 +366,15 @@ def radix_topk(scores, topk, digit_bits=4):
   return out.reshape(*lead, topk)
 
 
-def select_topk(scores, topk, method):
+def select_topk(scores, topk, method, interpret=False):
   """Top-k positions of scores [..., S] (module docstring's order) by `method`: 'radix'
-  (`radix_topk`) or 'lax' (lax.top_k, then a sort of the topk positions)."""
+  (`radix_topk` with the GPU compaction kernel; interpret=True runs it in interpret
+  mode), 'radix_xla' (`radix_topk` in XLA only) or 'lax' (lax.top_k, then a sort of the
+  topk positions)."""
   if method == "radix":
-    return radix_topk(scores, topk)
+    return radix_topk(scores, topk, compact="gpu", interpret=interpret)
+  if method == "radix_xla":
+    return radix_topk(scores, topk, compact="xla")
   if method == "lax":
     return _lax_topk(scores, topk)
   raise ValueError(f"unknown top-k method {method!r}; expected one of {TOPK_METHODS}.")
@@ -550,7 +613,7 @@ def _indexer_topk_kernel(q, w, k_pages, block_table, kv_lens, *, topk, k_scale, 
                          interpret, method, block_config):
   scores = _index_scores(q, w, k_pages, block_table, kv_lens, k_scale=k_scale,
                          backend=backend, interpret=interpret, block_config=block_config)
-  return select_topk(scores, topk, method)
+  return select_topk(scores, topk, method, interpret=interpret)
 
 
 def sparse_mla_kernel(q, kv_pages, block_table, indices, *, v_dim, sm_scale, kv_scale=None,

@@ -3,7 +3,7 @@ indexer's scores and for sparse paged MLA.
 
 The public ops, the layouts and the masking rule are documented in `pallas_kernels.dsa`;
 this module holds only the GPU kernels and their wrappers. The top-k between them is
-plain XLA (`dsa.radix_topk`).
+`dsa.radix_topk`: an XLA threshold search, then `compact_topk_gpu` here (below).
 
 Indexer scores. One program handles (tile of `query_rows` query rows, KV split, batch
 row) and walks its share of the visible kv positions `block_k` at a time: each block of
@@ -36,6 +36,13 @@ across heads (at H = 128 two 64-row tiles read the same rows, the second from L2
 With few programs (small batch) the indices are split across programs
 (flash-decoding) and merged by `common.combine_splits`. Reads: topk * Dk * itemsize
 bytes a query row and head tile, independent of the context length.
+
+Top-k compaction. Once the k-th largest score of each row is known (as an ordered int32
+key), one program a (1024-score chunk, row) reads the chunk, recomputes the keys, takes
+the exclusive prefix counts of the scores above and equal to the threshold (Triton
+scans) on top of the chunk's offsets (an XLA cumsum over per-chunk counts), and
+scatters the chosen positions to their slots: ascending positions, ties towards the
+lower position, the topk outputs written once and the scores read once.
 """
 
 from __future__ import annotations
@@ -278,3 +285,60 @@ def sparse_mla_gpu(q, kv_pages, block_tables, indices, *, v_dim, sm_scale, block
   if num_splits == 1:
     return outs[0]
   return combine_splits(*outs).astype(q.dtype)
+
+
+# ------------------------------------------------------------------ top-k compaction
+def _compact_kernel(s_ref, thr_ref, need_ref, off_a_ref, off_e_ref, init_ref, o_ref, *,
+                    chunk):
+  del init_ref  # aliased to o_ref: the -1 padding the kernel leaves where it stores nothing
+  g = pl.program_id(0)
+  s = s_ref[...]                                                      # [chunk] f32
+  bits = lax.bitcast_convert_type(s, jnp.int32)
+  keys = jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)   # int32, in the scores' order
+  thr, need = thr_ref[0], need_ref[0]
+  above = keys > thr
+  equal = (keys == thr) & (s != -jnp.inf)
+  a, e = above.astype(jnp.int32), equal.astype(jnp.int32)
+  before_e = off_e_ref[0] + jnp.cumsum(e) - e
+  chosen = above | (equal & (before_e < need))
+  slot = off_a_ref[0] + jnp.cumsum(a) - a + jnp.minimum(before_e, need)
+  pos = g * chunk + jnp.arange(chunk, dtype=jnp.int32)
+  # Lanes not chosen aim at the spare last column (masked anyway; the interpreter's
+  # masked scatter writes them back, which must not land on a chosen slot).
+  spare = o_ref.shape[0] - 1
+  pltriton.store(o_ref.at[jnp.where(chosen, slot, spare)], pos, mask=chosen)
+
+
+def compact_topk_gpu(scores, threshold, need, off_above, off_equal, *, topk, chunk,
+                     interpret):
+  """The positions the radix select chose, in ascending order, -1 padded: [R, topk].
+
+  scores [R, N] f32 (N a multiple of chunk); threshold [R] int32 (the k-th largest
+  score's ordered int32 key); need [R] int32 (how many scores equal to it to take);
+  off_above, off_equal [R, N / chunk] int32 (scores above / equal to the threshold in
+  the chunks before each). One program a (chunk, row): the chunk's exclusive prefix
+  counts (a Triton scan) place each chosen position at its slot, a masked scatter
+  store; the output starts as -1 (aliased), so slots nobody fills stay -1. The output
+  has one spare column, the target of the lanes not chosen, sliced off here.
+  """
+  rows, size = scores.shape
+  chunks = size // chunk
+  init = jnp.full((rows, topk + 1), -1, jnp.int32)
+  return pl.pallas_call(
+      functools.partial(_compact_kernel, chunk=chunk),
+      grid=(chunks, rows),
+      in_specs=[
+          pl.BlockSpec((None, chunk), lambda g, r: (r, g)),
+          pl.BlockSpec((1,), lambda g, r: (r,)),
+          pl.BlockSpec((1,), lambda g, r: (r,)),
+          pl.BlockSpec((None, 1), lambda g, r: (r, g)),
+          pl.BlockSpec((None, 1), lambda g, r: (r, g)),
+          pl.BlockSpec((None, topk + 1), lambda g, r: (r, 0)),
+      ],
+      out_specs=pl.BlockSpec((None, topk + 1), lambda g, r: (r, 0)),
+      out_shape=jax.ShapeDtypeStruct((rows, topk + 1), jnp.int32),
+      input_output_aliases={5: 0},
+      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+      interpret=interpret,
+      name="dsa_topk_compact_gpu",
+  )(scores, threshold, need, off_above, off_equal, init)[:, :topk]

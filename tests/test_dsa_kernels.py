@@ -217,14 +217,15 @@ def _random_scores(rng, rows, size, ties):
   return s
 
 
-@pytest.mark.parametrize("size,topk,ties", [(300, 16, True), (300, 7, False),
+@pytest.mark.parametrize("size,topk,ties", [(2100, 16, True), (300, 7, False),
                                             (10, 16, True), (64, 64, False)])
 def test_radix_topk_matches_lax_topk(size, topk, ties):
   rng = np.random.default_rng(size + topk)
   scores = jnp.asarray(_random_scores(rng, 6, size, ties)).reshape(2, 3, size)
   want = numpy_topk(np.asarray(scores, np.float64), topk)
-  np.testing.assert_array_equal(select_topk(scores, topk, "lax"), want)
-  np.testing.assert_array_equal(radix_topk(scores, topk), want)
+  for method in dsa.TOPK_METHODS:
+    np.testing.assert_array_equal(select_topk(scores, topk, method, interpret=True), want,
+                                  err_msg=method)
 
 
 # ---------------------------------------------------------------- indexer kernels (GPU)
@@ -634,6 +635,7 @@ def test_kernels_lower_at_deepseek_shapes(platform, backend):
         q, w, k, bt, kl, topk=2048, k_scale=s, backend=backend), q, w, keys, table, lens,
         scale)
     assert "dsa_index_scores" in text
+    assert platform != "cuda" or "dsa_topk_compact" in text
   mq, idx = spec((batch, t, 128, 576), jnp.bfloat16), spec((batch, t, 2048), jnp.int32)
   for kv, scale in ((spec((pages, 64, 576), jnp.bfloat16), None),
                     (spec((pages, 64, 576), FP8), spec((2,), jnp.float32))):
