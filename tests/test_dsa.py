@@ -23,7 +23,7 @@ from mtp_jax.checkpoint.safetensors_io import read_safetensors_header, read_tens
 from mtp_jax.config import ConfigError, DSAConfig, EngineConfig, SamplingParams, SpecConfig
 from mtp_jax.dsa import IndexQuery
 from mtp_jax.engine import Engine, Request
-from mtp_jax.kv_cache import PagedKV, init_caches, make_layout
+from mtp_jax.kv_cache import PagedKV, check_kernels, init_caches, make_layout
 from mtp_jax.models import from_hf, to_hf
 from mtp_jax.mtp import forward_train
 from mtp_jax.reference import generate_reference
@@ -279,18 +279,21 @@ def test_fp8_kv_cache_index_keys_per_token_scales():
     assert none[0][:3] == gold["greedy"].tolist()[:3], (none[0], gold["greedy"])
 
 
-def test_untileable_dsa_shapes_are_a_config_error_before_compiling(monkeypatch):
-    from pallas_kernels import dsa as dsa_kernel
-
-    def refuse(*args, **kw):
-        raise ValueError("index_head_dim=16 is not a multiple of 64")
-
-    monkeypatch.setattr(dsa_kernel, "indexer_topk", refuse)
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_untileable_dsa_shapes_are_a_config_error_before_compiling(backend):
+    """The DSA kernels are traced on abstract arguments when the engine starts: an index
+    head dim of 12 tiles on neither backend (powers of two >= 16 on GPU, multiples of 128
+    on TPU), and the error names the config fields; the published shapes pass."""
     model = load(fixture("deepseek_v32_saved"))
     with pytest.raises(ConfigError) as err:
         Engine(model, SpecConfig(method="none"),
-               EngineConfig(max_batch=1, max_model_len=64, attention_backend="gpu"))
-    assert "index_head_dim=12" in str(err.value) and "not a multiple of 64" in str(err.value)
+               EngineConfig(max_batch=1, max_model_len=64, attention_backend=backend))
+    assert "index_head_dim=12" in str(err.value) and backend in str(err.value)
+    for raw in (DEEPSEEK_V32_EXP, GLM5):
+        cfg = from_hf(raw)
+        eng = EngineConfig(max_batch=8, max_model_len=8192, page_size=64, prefill_chunk=256,
+                           attention_backend=backend)
+        check_kernels(make_layout(cfg, eng, 1, jnp.bfloat16), eng, cfg)
 
 
 # --------------------------------------------------------------------------- checkpoint
@@ -319,3 +322,36 @@ def test_sharded_dsa_engines_reproduce_transformers_greedy():
 
     result = run_on_8_devices("sharded_dsa.py")
     assert result and all(result.values()), result
+
+
+@pytest.mark.parametrize("case", ["glm_moe_dsa_shared", "deepseek_v32_exp"])
+def test_save_hf_round_trip_writes_the_published_names(tmp_path, case):
+    """save_hf writes the indexer tensors under their hub names (interleaved index RoPE
+    permuted back for GLM-5) and the index config keys: the saved files equal the fixture's
+    and load to the same model."""
+    from mtp_jax.checkpoint import save_hf
+
+    model = load(fixture(case))
+    save_hf(model, str(tmp_path))
+    again = load(str(tmp_path))
+    assert again.config == model.config
+    a, b = to_flat(model.params), to_flat(again.params)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=str(k))
+
+    def tensors(folder):
+        path = os.path.join(folder, "model.safetensors")
+        with open(path, "rb") as f:
+            base = 8 + int.from_bytes(f.read(8), "little")
+        return {k: np.array(read_tensor(path, (base, v)))
+                for k, v in read_safetensors_header(path).items()}
+
+    mine, theirs = tensors(str(tmp_path)), tensors(fixture(case))
+    for name in theirs:
+        if ".indexer." in name:
+            np.testing.assert_array_equal(mine[name], theirs[name], err_msg=name)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["index_topk"] == model.config.dsa.index_topk
+    assert saved.get("indexer_types") == (["full", "shared", "full", "shared"]
+                                          if case == "glm_moe_dsa_shared" else None)
