@@ -355,3 +355,47 @@ def test_save_hf_round_trip_writes_the_published_names(tmp_path, case):
     assert saved["index_topk"] == model.config.dsa.index_topk
     assert saved.get("indexer_types") == (["full", "shared", "full", "shared"]
                                           if case == "glm_moe_dsa_shared" else None)
+
+
+def test_fp8_block_scaled_indexer_weights_load_dequantized(tmp_path):
+    """DeepSeek-V3.2's FP8 checkpoint stores the indexer's wq_b / wk in float8_e4m3fn with
+    `weight_scale_inv` blocks (weights_proj stays bf16): they load dequantized, the
+    permutations applied to the dequantized values."""
+    import ml_dtypes
+
+    case = "deepseek_v32_exp"
+    dst = tmp_path / "fp8"
+    shutil.copytree(fixture(case), dst)
+    path = str(dst / "model.safetensors")
+    with open(path, "rb") as f:
+        base = 8 + int.from_bytes(f.read(8), "little")
+    tensors = {k: np.array(read_tensor(path, (base, v)))
+               for k, v in read_safetensors_header(path).items()}
+    block = (16, 16)
+    dequantized = {}
+    for name in [k for k in tensors if k.endswith(("indexer.wq_b.weight", "indexer.wk.weight"))]:
+        w = tensors[name].astype(np.float32)
+        rows, cols = -(-w.shape[0] // block[0]), -(-w.shape[1] // block[1])
+        scale = np.ones((rows, cols), np.float32)
+        for i in range(rows):
+            for j in range(cols):
+                piece = w[i * 16:(i + 1) * 16, j * 16:(j + 1) * 16]
+                scale[i, j] = max(np.abs(piece).max() / 448.0, 1e-12)
+        full = np.repeat(np.repeat(scale, 16, 0), 16, 1)[:w.shape[0], :w.shape[1]]
+        q = (w / full).astype(ml_dtypes.float8_e4m3fn)
+        tensors[name], tensors[name + "_scale_inv"] = q, scale
+        dequantized[name] = q.astype(np.float32) * full
+    os.remove(path)
+    write_safetensors(path, tensors)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3",
+                                  "quant_method": "fp8", "scale_fmt": "ue8m0",
+                                  "weight_block_size": list(block)}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    model = load(str(dst))
+    flat = to_flat(model.params)
+    # wk [di, d] -> [d, di] with the (rotate-half: identity) rope order
+    np.testing.assert_array_equal(np.asarray(flat[("target", "layers", 0, "attn", "indexer",
+                                                   "wk")]),
+                                  dequantized["model.layers.0.self_attn.indexer.wk.weight"].T)
+    assert len(dequantized) == 2 * (model.config.num_layers_total)
