@@ -22,6 +22,9 @@ per layer); with
 latent attention (MLA, `latent` layouts) one array per layer, (kv,) [1, num_pages,
 page_size, kv_lora_rank + rope dims]: a token's latent and rope key, which is its key for
 every head and, in its first kv_lora_rank dims, its value (pallas_kernels/paged_mla.py).
+A DeepSeek Sparse Attention layer (dsa.py) adds its index keys, [1, num_pages, page_size,
+index_head_dim] in the same pages (and, for fp8 pages, their per-token scales), and attends
+over the tokens its indexer selects (`pallas_kernels.dsa`).
 """
 
 from __future__ import annotations
@@ -206,7 +209,8 @@ def check_kernels(layout: KVLayout, eng: EngineConfig, cfg: ModelConfig) -> None
 
 
 def init_caches(layout: KVLayout):
-    """Zeroed pages for every layer: (k, v), or (kv,) for a latent layout."""
+    """Zeroed pages for every layer: (k, v), or (kv,) for a latent layout (a DSA layer's
+    index keys, and their fp8 scales, after it)."""
     return tuple(tuple(jnp.zeros(shape, dtype) for shape, dtype in
                        zip(layout.page_shapes(i), layout.page_dtypes(i)))
                  for i in range(layout.num_layers))
@@ -311,12 +315,11 @@ class PagedKV:
             g = self.layout.layer_group[layer]
             if (v is None) != self.layout.latent:
                 raise ValueError("latent attention needs a latent KV layout, and only it")
-            scales = self._scales(layer)
-            cache = self.caches[layer]
             if index is not None:  # DeepSeek Sparse Attention (dsa.py)
                 return self._attend_sparse(layer, q, k, index, slots[g], self.block_tables[g],
                                            kv_lens, sm_scale, v_dim, selected)
-            pages = self._write(cache, k, v, slots[g], scales, v_dim)
+            scales = self._scales(layer)
+            pages = self._write(self.caches[layer], k, v, slots[g], scales, v_dim)
             self.caches[layer] = pages
             return self._attend(q, pages, self.block_tables[g], kv_lens, window, sm_scale,
                                 v_dim, sinks, scales)
