@@ -50,13 +50,17 @@ the top-k costs as much for a short request as for a full table. The top-k is ov
 to 128k scores a row with topk = 2048. lax.top_k lowers to a sort of the row on GPU
 (XLA has no partial top-k for large k): several passes over the scores and their
 indices. `radix_topk` instead finds the k-th largest score with 8 counting passes (4-bit
-digits, 15 compares an element, each pass one fused XLA reduction) and compacts: on GPU
-(method 'radix') with one more reduction and the Pallas kernel
-`dsa_gpu.compact_topk_gpu`, about 10 reads of 4 * T bytes a token in all against the
+digits, 15 compares an element) and compacts: on GPU (method 'radix') the passes are
+the Pallas kernel `dsa_gpu.count_at_least_gpu`, then one XLA reduction and the Pallas
+kernel `dsa_gpu.compact_topk_gpu`, about 10 reads of 4 * T bytes a token in all against the
 indexer's 256, i.e. about 16 % of the score kernel's bytes at T = 1 and 31 % at T = 2
 when every pass goes to device memory (less where the scores stay in L2: 33 MB at
-B = 32, T = 2, 128k); 'radix_xla' compacts with XLA ops only (a bf16 matmul for the
-prefix counts and a scatter; more temporaries). 'radix' is the GPU default on that
+B = 32, T = 2, 128k); 'radix_xla' does the same with XLA ops only (fused reductions
+for the counts, a bf16 matmul for the prefix counts and a scatter; more temporaries).
+Each pass is a launch and a dependent round trip, so small batches (B = 1: a 512 KB
+row) pay about 10 kernel latencies whatever the bytes: there the top-k cannot stay
+under a quarter of a ~10 us score kernel; the target holds, if anywhere, at large
+batch times context. 'radix' is the GPU default on that
 estimate; launch/bench_dsa.py times all three on the same scores and reports each as a
 share of the score kernel's time, which is what should settle it. TPU keeps lax.top_k
 (XLA's TPU sort-based top-k; the GPU compaction kernel does not run there; untimed).
@@ -292,23 +296,34 @@ def _exclusive_counts(masks, chunk=128):
 
 
 COMPACT_CHUNK = 1024  # scores a program of the GPU compaction kernel
+COUNT_CHUNK = 512     # scores a step of the GPU counting kernel (a [512, 16] compare)
+_SIGN = 0x80000000
 
 
-def radix_threshold(keys, topk, digit_bits=4):
-  """[R] uint32: the topk-th largest of each row of keys [R, N] (uint32, N >= topk),
-  digit by digit: 32 / digit_bits passes, each counting per row how many keys are >=
-  each of the 2**digit_bits - 1 candidates for the next digit (one fused XLA reduction
-  reading the keys once; 4-bit digits keep its 15 compares an element about as cheap as
-  the read); the largest candidate whose count still reaches topk fixes the digit."""
-  rows = keys.shape[0]
+def _to_signed(u):
+  """uint32 ordered keys -> the int32 ordered keys of the GPU kernels (same order)."""
+  return lax.bitcast_convert_type(u ^ jnp.uint32(_SIGN), jnp.int32)
+
+
+def radix_threshold(count, rows, topk, digit_bits=4):
+  """[R] uint32: the topk-th largest ordered key of each row, digit by digit: 32 /
+  digit_bits rounds, each counting per row how many keys are >= each of the
+  2**digit_bits - 1 candidates for the next digit (`count(cand [R, D]) -> [R, D]`); the
+  largest candidate whose count still reaches topk fixes the digit."""
   digits = jnp.arange(1, 1 << digit_bits, dtype=jnp.uint32)          # [D]
   prefix = jnp.zeros((rows,), jnp.uint32)
   for shift in range(32 - digit_bits, -1, -digit_bits):
     cand = prefix[:, None] | (digits[None, :] << shift)              # [R, D]
-    counts = jnp.sum(keys[:, :, None] >= cand[:, None, :], axis=1, dtype=jnp.int32)
-    best = jnp.sum(counts >= topk, axis=-1, dtype=jnp.uint32)        # counts fall with d
+    best = jnp.sum(count(cand) >= topk, axis=-1, dtype=jnp.uint32)   # counts fall with d
     prefix = prefix | (best << shift)
   return prefix
+
+
+def _count_segment(rows, size):
+  """Scores a program of the GPU counting kernel: enough programs for two a core (132
+  SMs) where the rows allow, 512 .. 16384 scores each."""
+  per = -(-rows * size // (2 * GPU_CORES))
+  return max(COUNT_CHUNK, min(16384, next_pow2(per), next_pow2(size)))
 
 
 def radix_topk(scores, topk, digit_bits=4, compact="xla", interpret=False):
@@ -316,15 +331,17 @@ def radix_topk(scores, topk, digit_bits=4, compact="xla", interpret=False):
   highest (ties towards the lower position), -1 padding last where fewer than topk
   scores are finite; the same result as `_lax_topk`.
 
-  `radix_threshold` finds the k-th largest score (8 counting passes at 4-bit digits).
-  Then the scores above it plus the first (topk - count above) equal to it are
-  compacted to their positions. compact='xla': one pass of two prefix counts
-  (`_exclusive_counts`, a bf16 matmul within 128-score chunks) and a scatter, portable
-  but several reads and writes of [R, S] temporaries. compact='gpu': per-chunk counts
-  (one fused reduction), their prefix over the [R, S / 1024] chunks, and the Pallas
-  kernel `dsa_gpu.compact_topk_gpu`, which reads each score once more and scatters only
-  the topk chosen positions. Either way no sort of the row; the GPU path reads the
-  scores about 10 times (8 + 2).
+  `radix_threshold` finds the k-th largest score: 8 counting rounds at 4-bit digits,
+  each one read of the scores with 15 compares an element. Then the scores above it plus
+  the first (topk - count above) equal to it are compacted to their positions.
+  compact='xla': the rounds are fused XLA reductions, the compaction one pass of two
+  prefix counts (`_exclusive_counts`, a bf16 matmul within 128-score chunks) and a
+  scatter: portable, but with [R, S] temporaries. compact='gpu': the rounds are the
+  Pallas kernel `dsa_gpu.count_at_least_gpu` (coalesced streaming, the compares in
+  registers), then per-chunk counts (one fused reduction), their prefix over the
+  [R, S / 1024] chunks, and the Pallas kernel `dsa_gpu.compact_topk_gpu`, which reads
+  each score once more and scatters only the topk chosen positions: about 10 reads of
+  the scores in all. Either way no sort of the row.
   """
   lead = scores.shape[:-1]
   size = scores.shape[-1]
@@ -334,28 +351,46 @@ def radix_topk(scores, topk, digit_bits=4, compact="xla", interpret=False):
     size = topk
   rows = scores.shape[0]
   if compact == "gpu":
-    padded = -(-size // COMPACT_CHUNK) * COMPACT_CHUNK
-    scores = jnp.pad(scores, ((0, 0), (0, padded - size)), constant_values=-jnp.inf)
+    from pallas_kernels.dsa_gpu import compact_topk_gpu, count_at_least_gpu
+    segment = _count_segment(rows, size)
+    # A multiple of both (powers of two: the larger one).
+    padded = -(-size // max(segment, COMPACT_CHUNK)) * max(segment, COMPACT_CHUNK)
+    if padded != size:
+      scores = jnp.pad(scores, ((0, 0), (0, padded - size)), constant_values=-jnp.inf)
     size = padded
-  keys = _ordered_keys(scores)                                       # [R, S]
-  threshold = radix_threshold(keys, topk, digit_bits)[:, None]       # the k-th largest
-  above = keys > threshold
-  # -inf is never picked (where the threshold is -inf, fewer than topk are finite: the
-  # slots left stay -1, after the others).
-  equal = (keys == threshold) & (scores != -jnp.inf)
-  if compact == "gpu":
-    from pallas_kernels.dsa_gpu import compact_topk_gpu
+
+    def count(cand):   # [R, 15] uint32 -> [R, 15], through 16 lanes (one spare)
+      spare = jnp.full((rows, 1), jnp.iinfo(jnp.int32).max, jnp.int32)
+      lanes = jnp.concatenate([_to_signed(cand), spare], axis=1)
+      return count_at_least_gpu(scores, lanes, segment=segment, chunk=COUNT_CHUNK,
+                                interpret=interpret)[:, :-1]
+    if digit_bits != 4:
+      raise ValueError("the GPU counting kernel takes 4-bit digits.")
+    threshold = radix_threshold(count, rows, topk)
+    signed = _to_signed(threshold)[:, None]
+    keys = lax.bitcast_convert_type(scores, jnp.int32)
+    keys = jnp.where(keys < 0, keys ^ 0x7FFFFFFF, keys)
+    above = keys > signed
+    equal = (keys == signed) & (scores != -jnp.inf)
     chunks = size // COMPACT_CHUNK
     per_a = above.reshape(rows, chunks, COMPACT_CHUNK).sum(-1, dtype=jnp.int32)
     per_e = equal.reshape(rows, chunks, COMPACT_CHUNK).sum(-1, dtype=jnp.int32)
     need = topk - per_a.sum(-1)
-    signed = lax.bitcast_convert_type(threshold[:, 0] ^ jnp.uint32(0x80000000), jnp.int32)
-    out = compact_topk_gpu(scores, signed, need, jnp.cumsum(per_a, -1) - per_a,
+    out = compact_topk_gpu(scores, signed[:, 0], need, jnp.cumsum(per_a, -1) - per_a,
                            jnp.cumsum(per_e, -1) - per_e, topk=topk, chunk=COMPACT_CHUNK,
                            interpret=interpret)
     return out.reshape(*lead, topk)
   if compact != "xla":
     raise ValueError(f"unknown compaction {compact!r}; expected 'xla' or 'gpu'.")
+  keys = _ordered_keys(scores)                                       # [R, S]
+
+  def count(cand):
+    return jnp.sum(keys[:, :, None] >= cand[:, None, :], axis=1, dtype=jnp.int32)
+  threshold = radix_threshold(count, rows, topk, digit_bits)[:, None]
+  above = keys > threshold
+  # -inf is never picked (where the threshold is -inf, fewer than topk are finite: the
+  # slots left stay -1, after the others).
+  equal = (keys == threshold) & (scores != -jnp.inf)
   need = topk - above.sum(axis=-1, dtype=jnp.int32)[:, None]         # >= 1
   before_above, before_equal = _exclusive_counts(jnp.stack([above, equal]))
   chosen = above | (equal & (before_equal < need))

@@ -3,7 +3,8 @@ indexer's scores and for sparse paged MLA.
 
 The public ops, the layouts and the masking rule are documented in `pallas_kernels.dsa`;
 this module holds only the GPU kernels and their wrappers. The top-k between them is
-`dsa.radix_topk`: an XLA threshold search, then `compact_topk_gpu` here (below).
+`dsa.radix_topk`: a threshold search whose counting rounds are `count_at_least_gpu`,
+then `compact_topk_gpu` (both below).
 
 Indexer scores. One program handles (tile of `query_rows` query rows, KV split, batch
 row) and walks its share of the visible kv positions `block_k` at a time: each block of
@@ -36,6 +37,12 @@ across heads (at H = 128 two 64-row tiles read the same rows, the second from L2
 With few programs (small batch) the indices are split across programs
 (flash-decoding) and merged by `common.combine_splits`. Reads: topk * Dk * itemsize
 bytes a query row and head tile, independent of the context length.
+
+Top-k counting. Each of the radix select's 8 rounds counts, per row, the scores whose
+ordered key is >= each of 15 candidates: one program a (segment, row) streams its
+segment 512 scores a step (a [512, 16] compare and column sum in registers, one spare
+lane) and writes 16 partial counts, which XLA sums. One coalesced read of the scores a
+round, no temporaries.
 
 Top-k compaction. Once the k-th largest score of each row is known (as an ordered int32
 key), one program a (1024-score chunk, row) reads the chunk, recomputes the keys, takes
@@ -293,8 +300,7 @@ def _compact_kernel(s_ref, thr_ref, need_ref, off_a_ref, off_e_ref, init_ref, o_
   del init_ref  # aliased to o_ref: the -1 padding the kernel leaves where it stores nothing
   g = pl.program_id(0)
   s = s_ref[...]                                                      # [chunk] f32
-  bits = lax.bitcast_convert_type(s, jnp.int32)
-  keys = jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)   # int32, in the scores' order
+  keys = _ordered_int32(s)
   thr, need = thr_ref[0], need_ref[0]
   above = keys > thr
   equal = (keys == thr) & (s != -jnp.inf)
@@ -342,3 +348,45 @@ def compact_topk_gpu(scores, threshold, need, off_above, off_equal, *, topk, chu
       interpret=interpret,
       name="dsa_topk_compact_gpu",
   )(scores, threshold, need, off_above, off_equal, init)[:, :topk]
+
+
+# ------------------------------------------------------------------ top-k digit counts
+def _ordered_int32(s):
+  """int32 keys in the order of the f32 scores s (-0.0 just below +0.0)."""
+  bits = lax.bitcast_convert_type(s, jnp.int32)
+  return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def _count_kernel(s_ref, cand_ref, o_ref, *, chunk, steps):
+  cand = cand_ref[...]                                                # [D] int32
+
+  def body(i, acc):
+    keys = _ordered_int32(s_ref[pl.ds(i * chunk, chunk)])             # [chunk]
+    return acc + (keys[:, None] >= cand[None, :]).astype(jnp.int32).sum(axis=0)
+
+  o_ref[...] = lax.fori_loop(0, steps, body, jnp.zeros(cand.shape, jnp.int32))
+
+
+def count_at_least_gpu(scores, cand, *, segment, chunk, interpret):
+  """[R, D] int32: per row, how many scores have an ordered key >= each candidate.
+
+  scores [R, N] f32 (N a multiple of segment, segment of chunk); cand [R, D] int32
+  ordered keys (D a power of two). One program a (segment, row) streams its segment
+  `chunk` scores at a time (coalesced loads, the compares and a column sum in
+  registers) and writes D partial counts; XLA sums the [R, N / segment, D] partials.
+  """
+  rows, size = scores.shape
+  segments = size // segment
+  width = cand.shape[1]
+  partial = pl.pallas_call(
+      functools.partial(_count_kernel, chunk=chunk, steps=segment // chunk),
+      grid=(segments, rows),
+      in_specs=[pl.BlockSpec((None, segment), lambda g, r: (r, g)),
+                pl.BlockSpec((None, width), lambda g, r: (r, 0))],
+      out_specs=pl.BlockSpec((None, None, width), lambda g, r: (r, g, 0)),
+      out_shape=jax.ShapeDtypeStruct((rows, segments, width), jnp.int32),
+      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+      interpret=interpret,
+      name="dsa_topk_count_gpu",
+  )(scores, cand)
+  return partial.sum(axis=1)

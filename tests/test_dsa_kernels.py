@@ -228,6 +228,25 @@ def test_radix_topk_matches_lax_topk(size, topk, ties):
                                   err_msg=method)
 
 
+def test_gpu_count_kernel_streams_segments():
+  """The counting kernel over several segments of several steps each, vs numpy."""
+  from pallas_kernels.dsa_gpu import count_at_least_gpu
+  rng = np.random.default_rng(3)
+  scores = _random_scores(rng, 3, 4096, ties=True)
+  scores[0, :8] = [-0.0, 0.0, np.nan, np.inf, -np.inf, 1e-45, -1e-45, 3.0]
+  cand_scores = np.sort(rng.choice(scores[np.isfinite(scores)], (3, 15)), axis=1)
+  cand_scores[0, :4] = [-0.0, 0.0, -np.inf, 3.0]
+  order = lambda x: np.where(x.view(np.int32) < 0, x.view(np.int32) ^ 0x7FFFFFFF,
+                             x.view(np.int32))
+  cand = np.concatenate([order(cand_scores.astype(np.float32)),
+                         np.full((3, 1), np.iinfo(np.int32).max, np.int32)], axis=1)
+  got = count_at_least_gpu(jnp.asarray(scores), jnp.asarray(cand), segment=2048, chunk=512,
+                           interpret=True)
+  want = (order(scores)[:, :, None] >= cand[:, None, :]).sum(axis=1)
+  np.testing.assert_array_equal(got, want)
+  assert want[0, 0] != want[0, 1]      # -0.0 and +0.0 are distinct keys
+
+
 # ---------------------------------------------------------------- indexer kernels (GPU)
 GPU_IDX = [
     ("t1_ps8", None),
@@ -635,7 +654,7 @@ def test_kernels_lower_at_deepseek_shapes(platform, backend):
         q, w, k, bt, kl, topk=2048, k_scale=s, backend=backend), q, w, keys, table, lens,
         scale)
     assert "dsa_index_scores" in text
-    assert platform != "cuda" or "dsa_topk_compact" in text
+    assert platform != "cuda" or ("dsa_topk_compact" in text and "dsa_topk_count" in text)
   mq, idx = spec((batch, t, 128, 576), jnp.bfloat16), spec((batch, t, 2048), jnp.int32)
   for kv, scale in ((spec((pages, 64, 576), jnp.bfloat16), None),
                     (spec((pages, 64, 576), FP8), spec((2,), jnp.float32))):
