@@ -399,3 +399,19 @@ def test_fp8_block_scaled_indexer_weights_load_dequantized(tmp_path):
                                                    "wk")]),
                                   dequantized["model.layers.0.self_attn.indexer.wk.weight"].T)
     assert len(dequantized) == 2 * (model.config.num_layers_total)
+
+
+def test_pool_bytes_count_the_index_keys():
+    """A page id holds, per layer, the latent row and (on a layer with an indexer) the index
+    key, and for fp8 pages one float32 scale per index key."""
+    cfg = load(fixture("glm_moe_dsa_shared")).config  # 4 target layers (1, 3 shared) + MTP
+    eng = EngineConfig(max_batch=2, max_model_len=64, page_size=8)
+    r, di = cfg.mla.cache_dim, cfg.dsa.index_head_dim
+    lay = make_layout(cfg, eng, 1, jnp.bfloat16)
+    assert lay.index_dims == (di, 0, di, 0, di)
+    assert lay.bytes_per_page() == 8 * 2 * (5 * r + 3 * di)
+    fp8 = make_layout(cfg, dataclasses.replace(eng, kv_dtype="fp8"), 1, jnp.bfloat16,
+                      scales=(((1.0, 1.0), ()),) * 5)
+    assert fp8.bytes_per_page() == 8 * (5 * r + 3 * di + 3 * 4)
+    assert sum(x.size * x.dtype.itemsize for layer in init_caches(fp8) for x in layer) == \
+        fp8.bytes_per_page() * fp8.groups[0].num_pages
