@@ -24,7 +24,11 @@ of the sum (relu(c x) = c relu(x) for c > 0), so kernels apply it to the summed 
 `indexer_topk` returns [B, T, topk] int32 positions: the topk highest visible scores,
 ties broken towards the lower position, listed in ascending position order with -1
 padding at the end where fewer than topk positions are visible (all visible positions
-are then selected). NaN scores (a NaN in a visible key) are not ordered meaningfully.
+are then selected). Scores are ordered as IEEE total order ranks them, with one
+exception: a zero score is always +0.0 (a sum of negative weights times relu's zeros may
+come out -0.0 by summation order; every backend stores it as +0.0), so zero scores tie
+and break by position on every backend. NaN scores (a NaN in a visible key) rank above
++inf.
 
 `sparse_mla` takes q, kv_pages and kv_scale exactly as `pallas_kernels.paged_mla` does
 (absorbed latent query + rope part; pages [num_pages, page_size, v_dim + rope], fp8 with
@@ -203,6 +207,7 @@ def index_scores_reference(q, w, k_pages, block_table, kv_lens, *, k_scale=None)
                     precision=lax.Precision.HIGHEST)
   scores = jnp.einsum("bths,bth->bts", jnp.maximum(dots, 0.0), w.astype(jnp.float32),
                       precision=lax.Precision.HIGHEST)
+  scores = jnp.where(scores == 0.0, 0.0, scores)   # -0.0 -> +0.0 (module docstring)
   return jnp.where(visible, scores, -jnp.inf)
 
 

@@ -147,6 +147,7 @@ def _score_kernel(kv_lens_ref, bt_ref, q_ref, w_ref, k_ref, *rest, q_len, heads,
       score = jnp.sum(jnp.maximum(s, 0.0) * wt[:, None], axis=0)       # [block_k]
       if has_scale:
         score = score * scale
+      score = jnp.where(score == 0.0, 0.0, score)   # -0.0 -> +0.0 (dsa docstring)
       score = jnp.where((pos <= first_row + t) & (pos < capacity), score, -jnp.inf)
       o_ref[t, pl.ds(j * block_k, block_k)] = score
     return carry

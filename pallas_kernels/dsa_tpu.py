@@ -113,6 +113,7 @@ def _score_kernel(kv_lens_ref, bt_ref, q_ref, wt_ref, k_hbm, *rest, q_len, heads
         score = score * s_buf[slot]
       # Slots past the visible range hold stale or never-copied keys (maybe NaN):
       # each is its own column, replaced here.
+      score = jnp.where(score == 0.0, 0.0, score)   # -0.0 -> +0.0 (dsa docstring)
       score = jnp.where((pos <= first_row + t) & (pos < capacity), score, -jnp.inf)
       start_col = pl.multiple_of(j * block_k, 128)
       o_ref[t:t + 1, pl.ds(start_col, block_k)] = score

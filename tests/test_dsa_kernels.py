@@ -166,6 +166,25 @@ def test_ties_pick_the_lower_position():
   np.testing.assert_array_equal(got[2, 0], -np.ones(5))   # kv_len 0
 
 
+def test_zero_scores_are_positive_zero_and_tie():
+  """Zero keys under negative weights: every score is a sum of -0.0 terms, stored as
+  +0.0 by every backend, so the selection is the lowest positions."""
+  case = IDX_CASES["t3_ps8_fp8"]
+  q, w, k, table, lens, k_scale = make_indexer(case)
+  k = jnp.zeros_like(k)
+  w = -jnp.abs(w) - 0.25
+  for backend in ("reference", "gpu"):
+    scores = np.asarray(index_scores_reference(q, w, k, table, lens, k_scale=k_scale)
+                        if backend == "reference" else
+                        index_scores(q, w, k, table, lens, k_scale=k_scale, backend="gpu",
+                                     interpret=True))
+    seen = np.isfinite(scores)
+    assert (scores[seen] == 0).all() and not np.signbit(scores[seen]).any(), backend
+    got = indexer_topk(q, w, k, table, lens, topk=6, k_scale=k_scale, backend=backend,
+                       interpret=True)
+    np.testing.assert_array_equal(got[:, :, :], np.broadcast_to(np.arange(6), got.shape))
+
+
 def test_topk_is_causal_per_row():
   """T = 3: each row selects only positions up to its own, and what it selects does not
   depend on the keys it may not see; the last row can pick its own token."""
