@@ -537,7 +537,8 @@ def _pow2_at_least_16(name, n, what):
                      f"are powers of two; tensor-core dots need >= 16), got {n}.")
 
 
-def check_indexer_tiling(backend, *, dim, page_size, dtype, cfg: IndexerBlockConfig):
+def check_indexer_tiling(backend, *, dim, page_size, dtype, cfg: IndexerBlockConfig,
+                         q_len=None):
   """ValueError when `backend`'s score kernel cannot tile these shapes with `cfg`."""
   if backend == "gpu":
     _pow2_at_least_16("the index head dim di", dim, "DSA indexer")
@@ -555,6 +556,9 @@ def check_indexer_tiling(backend, *, dim, page_size, dtype, cfg: IndexerBlockCon
                      f"be a multiple of page_size ({page_size}) and of 128.")
   if cfg.num_splits != 1:
     raise ValueError("The TPU indexer kernel runs one split; set num_splits=1.")
+  if q_len is not None and cfg.query_rows != q_len and cfg.query_rows % 8:
+    raise ValueError(f"TPU DSA indexer needs IndexerBlockConfig.query_rows to be T "
+                     f"({q_len}) or a multiple of 8 (sublane tiles), got {cfg.query_rows}.")
 
 
 def check_sparse_tiling(backend, *, v_dim, head_dim, q_dtype, cfg: SparseBlockConfig):
@@ -604,7 +608,8 @@ def _index_scores(q, w, k_pages, block_table, kv_lens, *, k_scale, backend, inte
   cfg = block_config or default_indexer_config(
       batch, q_len, heads, dim, page_size, block_table.shape[1], backend,
       num_cores=_cores(interpret) if backend == "gpu" else GPU_CORES)
-  check_indexer_tiling(backend, dim=dim, page_size=page_size, dtype=k_pages.dtype, cfg=cfg)
+  check_indexer_tiling(backend, dim=dim, page_size=page_size, dtype=k_pages.dtype, cfg=cfg,
+                       q_len=q_len)
   rows = cfg.query_rows
   t_pad = -(-q_len // rows) * rows
   if backend == "gpu":

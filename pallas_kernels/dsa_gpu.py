@@ -130,6 +130,7 @@ def _score_kernel(kv_lens_ref, bt_ref, q_ref, w_ref, k_ref, *rest, q_len, heads,
   resident = query_rows * heads * dim <= 16384
   q_tiles = [q_ref[pl.ds(t * heads, heads), :].astype(compute) for t in range(query_rows)
              ] if resident else None
+  w_rows = [w_ref[t, :] for t in range(query_rows)]                    # [Hp] each
 
   def body(j, carry):
     pos = j * block_k + offsets
@@ -143,8 +144,7 @@ def _score_kernel(kv_lens_ref, bt_ref, q_ref, w_ref, k_ref, *rest, q_len, heads,
       qt = q_tiles[t] if resident else q_ref[pl.ds(t * heads, heads), :].astype(compute)
       s = lax.dot_general(qt, keys, NT, precision=precision,
                           preferred_element_type=jnp.float32)          # [Hp, block_k]
-      wt = w_ref[t, :]                                                 # [Hp]
-      score = jnp.sum(jnp.maximum(s, 0.0) * wt[:, None], axis=0)       # [block_k]
+      score = jnp.sum(jnp.maximum(s, 0.0) * w_rows[t][:, None], axis=0)  # [block_k]
       if has_scale:
         score = score * scale
       score = jnp.where(score == 0.0, 0.0, score)   # -0.0 -> +0.0 (dsa docstring)

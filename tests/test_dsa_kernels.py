@@ -585,6 +585,10 @@ def test_indexer_inputs_are_checked():
   with pytest.raises(ValueError, match="block_k to be a power of two"):
     index_scores(*make_indexer(plain)[:5], backend="gpu", interpret=True,
                  block_config=IndexerBlockConfig(block_k=24))
+  wide = make_indexer(dataclasses.replace(plain, q_len=3, dim=128, page_size=16))
+  with pytest.raises(ValueError, match="query_rows to be T"):
+    index_scores(*wide[:5], backend="tpu", interpret=True,
+                 block_config=IndexerBlockConfig(block_k=128, query_rows=2))
   with pytest.raises(TypeError, match="IndexerBlockConfig"):
     index_scores(*make_indexer(plain)[:5], backend="gpu", interpret=True,
                  block_config=dict(block_k=16))
