@@ -62,11 +62,6 @@ class IndexQuery:
         return dense_selection(self, keys, visible, previous)
 
 
-jax.tree_util.register_pytree_node(
-    IndexQuery, lambda x: ((x.q, x.w, x.k), x.topk),
-    lambda topk, leaves: IndexQuery(*leaves, topk))
-
-
 class LayerNorm(nnx.Module):
     """LayerNorm with weight and bias (the index key norm; eps 1e-6 as published)."""
 
