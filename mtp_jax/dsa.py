@@ -106,9 +106,12 @@ class Indexer(nnx.Module):
 # ------------------------------------------------------------------- dense selection
 def index_scores(q, w, keys):
     """score [b, t, s] (f32) of keys [b, s, di] for index queries q [b, t, Hi, di] with head
-    weights w [b, t, Hi]."""
-    dots = jnp.einsum("bthi,bsi->bths", q.astype(jnp.float32), keys.astype(jnp.float32))
-    return jnp.einsum("bth,bths->bts", w.astype(jnp.float32), jax.nn.relu(dots))
+    weights w [b, t, Hi]. Full f32 precision (TPU's default would round to bf16 passes),
+    as the kernels' reference scores: the selection turns on small score gaps."""
+    hi = jax.lax.Precision.HIGHEST
+    dots = jnp.einsum("bthi,bsi->bths", q.astype(jnp.float32), keys.astype(jnp.float32),
+                      precision=hi)
+    return jnp.einsum("bth,bths->bts", w.astype(jnp.float32), jax.nn.relu(dots), precision=hi)
 
 
 def dense_selection(index: IndexQuery, keys, visible, previous=None):
