@@ -98,8 +98,9 @@ class Indexer(nnx.Module):
         k = self.k_norm(jnp.einsum("btd,di->bti", x, self.wk[...]))
         q = apply_rope(q, positions, inv_freq, scale)
         k = apply_rope(k[:, :, None], positions, inv_freq, scale)[:, :, 0]
-        w = jnp.einsum("btd,dh->bth", x.astype(jnp.float32),
-                       self.weights_proj[...].astype(jnp.float32)) * self.scale
+        w = jnp.einsum("btd,dh->bth", x.astype(jnp.float32),  # f32, as published
+                       self.weights_proj[...].astype(jnp.float32),
+                       precision=jax.lax.Precision.HIGHEST) * self.scale
         return IndexQuery(q, w, k, self.topk)
 
 
