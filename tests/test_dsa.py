@@ -14,7 +14,6 @@ import shutil
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from mtp_jax.checkpoint import CheckpointError, load
 from mtp_jax.checkpoint.params import to_flat, with_params
