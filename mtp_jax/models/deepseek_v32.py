@@ -16,7 +16,6 @@ bias}` (a LayerNorm). `DSAFamily` is the part GLM-5 (glm_moe_dsa.py) shares.
 
 from __future__ import annotations
 
-
 from ..config import ConfigError, DSAConfig
 from ..dsa import indexer_entries
 from .deepseek_v3 import DeepseekV3
