@@ -6,7 +6,7 @@ Layouts (b batch, t query row, h indexer head, d index dim, s kv position):
   q            [B, T, Hi, di]          index queries, RoPE applied (bfloat16 or float32)
   w            [B, T, Hi] f32          per-head weights, every positive scale folded in:
                                        weights_proj(x) * Hi**-0.5 * di**-0.5
-  k_pages      [num_pages, page_size, di]  one index key per token: bfloat16 / float32, or
+  k_pages      [num_pages, page_size, di]  one index key per token: q's dtype, or
                                        float8_e4m3fn with k_scale
   k_scale      [num_pages, page_size] f32 or None   per-token dequantization scale: the
                                        key is k_pages[p, s] * k_scale[p, s] (positive)
@@ -122,6 +122,9 @@ def _check_indexer_inputs(q, w, k_pages, block_table, kv_lens, k_scale):
   if k_pages.dtype not in (jnp.bfloat16, jnp.float32, FP8_DTYPE):
     raise ValueError(f"k_pages must be bfloat16, float32 or float8_e4m3fn, got "
                      f"{k_pages.dtype}.")
+  if k_pages.dtype != FP8_DTYPE and k_pages.dtype != q.dtype:
+    raise ValueError(f"q and k_pages dtypes differ: {q.dtype} and {k_pages.dtype} (they "
+                     "must match, or the keys be float8_e4m3fn).")
   if k_pages.dtype == FP8_DTYPE and k_scale is None:
     raise ValueError("float8_e4m3fn k_pages need k_scale [num_pages, page_size].")
   if k_scale is not None:

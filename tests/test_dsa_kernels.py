@@ -566,6 +566,8 @@ def test_indexer_inputs_are_checked():
       run(q, w, k, table, lens, k_scale=None)
     with pytest.raises(ValueError, match="k_scale"):
       run(q, w, k, table, lens, k_scale=k_scale[:, :4])
+    with pytest.raises(ValueError, match="dtypes differ"):
+      run(q.astype(jnp.float32), w, k.astype(jnp.bfloat16), table, lens)
     with pytest.raises(ValueError, match="block_table"):
       run(q, w, k, table[:1], lens)
     with pytest.raises(ValueError, match="kv_lens"):
