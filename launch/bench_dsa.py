@@ -4,6 +4,7 @@ the device's copy bandwidth measured in the same run.
 
   python launch/bench_dsa.py --out dsa.json [--reps 5] [--no-fp8] [--budget-s S]
   python launch/bench_dsa.py --small          # tiny shapes on CPU, interpret mode
+  python launch/bench_dsa.py --sweep --no-table --out sweep.json   # block configs
 
 Shapes (DeepSeek-V3.2 on one device): MLA H=128 heads, Dk=576 (kv_lora_rank 512 + rope
 64), bf16 latent pages; indexer Hi=64 heads, di=128, topk=2048, bf16 index keys (and
@@ -36,6 +37,12 @@ elements read), so nothing is hoisted; block tables rotate over copies of the pa
 (B = 1 only, where the references fit): the kernel path's top-k against the reference's
 (fraction of equal positions; near-ties may differ by summation order) and sparse MLA's
 max abs error against its reference.
+
+--sweep times the score kernel's block configs (block_k 64 / 128 / 256, 4 or 8 warps,
+KV splits for 2 / 4 / 8 programs an SM) at B = 32, ctx 32k, T 1 and 2, and sparse MLA's
+(32- or 64-head tiles, 32 or 64 positions a block, split counts) at B 1 and 32, T 2,
+beside the defaults of `dsa.default_indexer_config` / `default_sparse_config`, which
+are not tuned on hardware yet.
 """
 
 from __future__ import annotations
@@ -223,6 +230,67 @@ def run_shape(batch, ctx, q_len, key, reps, copy_bw, fp8):
   return out
 
 
+def sweep(reps, copy_bw, key, budget):
+  """--sweep: the score kernel's IndexerBlockConfig grid at the target shape (B = 32,
+  ctx 32k, T 1 and 2) and sparse MLA's SparseBlockConfig at B 32 and 1; one line each,
+  beside the default. Returns the results."""
+  out = []
+  small = INTERPRET
+  batch, ctx = (2, CTXS[0]) if small else (32, 32768)
+  cores = 132 if small else (getattr(jax.devices()[0], "core_count", None) or 132)
+  for q_len in Q_LENS:
+    x = make_inputs(batch, ctx, q_len, key)
+    rest = (x["q"], x["w"], x["keys"], x["kv_lens"])
+    dflt = dsa.default_indexer_config(batch, q_len, HI, DI, PAGE, ctx // PAGE, "gpu",
+                                      num_cores=cores)
+    cfgs = [dflt]
+    for block_k, warps in ((64, 4), (128, 4), (128, 8), (256, 8)):
+      for waves in (2, 4, 8):
+        blocks = -(-ctx // block_k)
+        tiles = -(-q_len // dflt.query_rows)
+        splits = max(1, min(-(-waves * cores // (batch * tiles)), blocks))
+        cfgs.append(dsa.IndexerBlockConfig(block_k=block_k, query_rows=dflt.query_rows,
+                                           num_splits=splits, num_warps=warps))
+    for cfg in (cfgs[:2] if small else dict.fromkeys(cfgs)):
+      if budget.spent():
+        return out
+
+      def fn(t, dep, q, w, k, lens, cfg=cfg):
+        return dsa.index_scores(q, w, k, t, lens + dep, backend=BACKEND, interpret=INTERPRET,
+                                block_config=cfg)
+      tag = f"sweep scores B={batch} ctx={ctx} T={q_len} {cfg}" + (
+          " (default)" if cfg == dflt else "")
+      r = measure(tag, fn, x["tables"], rest, batch * ctx * DI * 2 + batch * q_len * ctx * 4,
+                  reps, copy_bw)
+      out.append(dict(op="scores", batch=batch, ctx=ctx, q_len=q_len, cfg=str(cfg),
+                      default=cfg == dflt, result=r))
+  for batch in ((1, 2) if small else (1, 32)):
+    q_len = Q_LENS[-1]
+    x = make_inputs(batch, ctx, q_len, key)
+    indices = dsa.indexer_topk(x["q"], x["w"], x["keys"], x["tables"][0], x["kv_lens"],
+                               topk=TOPK, backend=BACKEND, interpret=INTERPRET)
+    dflt = dsa.default_sparse_config(batch, q_len, H, dk(), TOPK, jnp.bfloat16, "gpu",
+                                     num_cores=cores)
+    cfgs = [dflt] + [dsa.SparseBlockConfig(block_k=bk, rows_per_block=rows,
+                                           num_splits=sp, num_warps=8 if rows >= 64 else 4)
+                     for rows in (32, 64) for bk in (32, 64)
+                     for sp in ((1, 4, 16, 32) if batch == 1 else (1, 2))]
+    for cfg in (cfgs[:2] if small else dict.fromkeys(cfgs)):
+      if budget.spent():
+        return out
+
+      def fn(t, dep, q, kv, idx, cfg=cfg):
+        return dsa.sparse_mla_kernel(q, kv, t, idx + dep, v_dim=V_DIM,
+                                     sm_scale=(128 + ROPE) ** -0.5, backend=BACKEND,
+                                     interpret=INTERPRET, block_config=cfg)
+      tag = f"sweep sparse B={batch} T={q_len} {cfg}" + (" (default)" if cfg == dflt else "")
+      r = measure(tag, fn, x["tables"], (x["mq"], x["kv"], indices),
+                  batch * q_len * TOPK * dk() * 2, reps, copy_bw)
+      out.append(dict(op="sparse", batch=batch, q_len=q_len, cfg=str(cfg),
+                      default=cfg == dflt, result=r))
+  return out
+
+
 def _t(e, name):
   r = e.get(name)
   return r["best_s"] if r else None
@@ -286,6 +354,9 @@ def main():
   ap.add_argument("--no-fp8", action="store_true", help="skip the fp8 index keys")
   ap.add_argument("--budget-s", type=float, default=None,
                   help="start no new shape after this many seconds")
+  ap.add_argument("--sweep", action="store_true",
+                  help="also time block configs of the score and sparse kernels")
+  ap.add_argument("--no-table", action="store_true", help="skip the main table")
   ap.add_argument("--small", action="store_true",
                   help="tiny shapes, GPU kernels in interpret mode (runs on CPU)")
   opts = ap.parse_args()
@@ -306,7 +377,7 @@ def main():
 
   key = jax.random.key(0)
   results, notes = [], []
-  for batch in BATCHES:
+  for batch in [] if opts.no_table else BATCHES:
     for ctx in CTXS:
       for q_len in Q_LENS:
         if budget.spent():
@@ -339,10 +410,11 @@ def main():
       *growth_rows(results),
       *[f"note: {n}" for n in notes],
   ])
+  sweep_results = sweep(opts.reps, copy_bw, key, budget) if opts.sweep else []
   if opts.out:
     with open(opts.out, "w") as f:
-      json.dump(dict(header=header, copy=copy, results=results, notes=notes, table=table),
-                f, indent=1)
+      json.dump(dict(header=header, copy=copy, results=results, sweep=sweep_results,
+                     notes=notes, table=table), f, indent=1)
   log("\n" + table)
 
 
