@@ -55,16 +55,17 @@ to 128k scores a row with topk = 2048. lax.top_k lowers to a sort of the row on 
 (XLA has no partial top-k for large k): several passes over the scores and their
 indices. `radix_topk` instead finds the k-th largest score with 8 counting passes (4-bit
 digits, 15 compares an element) and compacts: on GPU (method 'radix') the passes are
-the Pallas kernel `dsa_gpu.count_at_least_gpu`, then one XLA reduction and the Pallas
+Pallas launches (`dsa_gpu.radix_threshold_gpu`), then one XLA reduction and the Pallas
 kernel `dsa_gpu.compact_topk_gpu`, about 10 reads of 4 * T bytes a token in all against the
 indexer's 256, i.e. about 16 % of the score kernel's bytes at T = 1 and 31 % at T = 2
 when every pass goes to device memory (less where the scores stay in L2: 33 MB at
 B = 32, T = 2, 128k); 'radix_xla' does the same with XLA ops only (fused reductions
 for the counts, a bf16 matmul for the prefix counts and a scatter; more temporaries).
-Each pass is a launch and a dependent round trip, so small batches (B = 1: a 512 KB
-row) pay about 10 kernel latencies whatever the bytes: there the top-k cannot stay
-under a quarter of a ~10 us score kernel; the target holds, if anywhere, at large
-batch times context. 'radix' is the GPU default on that
+Each pass is a launch that waits for the one before (about 12 on the 'radix' path,
+several XLA kernels a round more on 'radix_xla'), so small batches (B = 1: a 512 KB
+row) pay about a dozen kernel latencies whatever the bytes: there the top-k cannot stay
+under a quarter of a score kernel of a few microseconds; the target holds, if anywhere,
+at large batch times context. 'radix' is the GPU default on that
 estimate; launch/bench_dsa.py times all three on the same scores and reports each as a
 share of the score kernel's time, which is what should settle it. TPU keeps lax.top_k
 (XLA's TPU sort-based top-k; the GPU compaction kernel does not run there; untimed).
@@ -304,13 +305,7 @@ def _exclusive_counts(masks, chunk=128):
 
 
 COMPACT_CHUNK = 1024  # scores a program of the GPU compaction kernel
-COUNT_CHUNK = 512     # scores a step of the GPU counting kernel (a [512, 16] compare)
-_SIGN = 0x80000000
-
-
-def _to_signed(u):
-  """uint32 ordered keys -> the int32 ordered keys of the GPU kernels (same order)."""
-  return lax.bitcast_convert_type(u ^ jnp.uint32(_SIGN), jnp.int32)
+COUNT_CHUNK = 512     # scores a step of a GPU radix round (a [512, 16] compare)
 
 
 def radix_threshold(count, rows, topk, digit_bits=4):
@@ -344,12 +339,13 @@ def radix_topk(scores, topk, digit_bits=4, compact="xla", interpret=False):
   the first (topk - count above) equal to it are compacted to their positions.
   compact='xla': the rounds are fused XLA reductions, the compaction one pass of two
   prefix counts (`_exclusive_counts`, a bf16 matmul within 128-score chunks) and a
-  scatter: portable, but with [R, S] temporaries. compact='gpu': the rounds are the
-  Pallas kernel `dsa_gpu.count_at_least_gpu` (coalesced streaming, the compares in
-  registers), then per-chunk counts (one fused reduction), their prefix over the
-  [R, S / 1024] chunks, and the Pallas kernel `dsa_gpu.compact_topk_gpu`, which reads
-  each score once more and scatters only the topk chosen positions: about 10 reads of
-  the scores in all. Either way no sort of the row.
+  scatter: portable, but with [R, S] temporaries and a few XLA kernels a round.
+  compact='gpu': the rounds are `dsa_gpu.radix_threshold_gpu`, one Pallas launch a
+  round (coalesced streaming, the compares in registers, each round fixing the previous
+  digit itself), then per-chunk counts above / equal to the threshold (one fused XLA
+  reduction) and the Pallas kernel `dsa_gpu.compact_topk_gpu`, which reads each score
+  once more and scatters only the topk chosen positions: about 10 reads of the scores
+  and about 12 launches in all. Either way no sort of the row.
   """
   lead = scores.shape[:-1]
   size = scores.shape[-1]
@@ -359,33 +355,25 @@ def radix_topk(scores, topk, digit_bits=4, compact="xla", interpret=False):
     size = topk
   rows = scores.shape[0]
   if compact == "gpu":
-    from pallas_kernels.dsa_gpu import compact_topk_gpu, count_at_least_gpu
+    from pallas_kernels.dsa_gpu import compact_topk_gpu, radix_threshold_gpu
+    if digit_bits != 4:
+      raise ValueError("the GPU radix rounds take 4-bit digits.")
     segment = _count_segment(rows, size)
     # A multiple of both (powers of two: the larger one).
     padded = -(-size // max(segment, COMPACT_CHUNK)) * max(segment, COMPACT_CHUNK)
     if padded != size:
       scores = jnp.pad(scores, ((0, 0), (0, padded - size)), constant_values=-jnp.inf)
     size = padded
-
-    def count(cand):   # [R, 15] uint32 -> [R, 15], through 16 lanes (one spare)
-      spare = jnp.full((rows, 1), jnp.iinfo(jnp.int32).max, jnp.int32)
-      lanes = jnp.concatenate([_to_signed(cand), spare], axis=1)
-      return count_at_least_gpu(scores, lanes, segment=segment, chunk=COUNT_CHUNK,
-                                interpret=interpret)[:, :-1]
-    if digit_bits != 4:
-      raise ValueError("the GPU counting kernel takes 4-bit digits.")
-    threshold = radix_threshold(count, rows, topk)
-    signed = _to_signed(threshold)[:, None]
+    threshold = radix_threshold_gpu(scores, topk=topk, segment=segment, chunk=COUNT_CHUNK,
+                                    interpret=interpret)
     keys = lax.bitcast_convert_type(scores, jnp.int32)
     keys = jnp.where(keys < 0, keys ^ 0x7FFFFFFF, keys)
-    above = keys > signed
-    equal = (keys == signed) & (scores != -jnp.inf)
+    above = keys > threshold[:, None]
+    equal = (keys == threshold[:, None]) & (scores != -jnp.inf)
     chunks = size // COMPACT_CHUNK
     per_a = above.reshape(rows, chunks, COMPACT_CHUNK).sum(-1, dtype=jnp.int32)
     per_e = equal.reshape(rows, chunks, COMPACT_CHUNK).sum(-1, dtype=jnp.int32)
-    need = topk - per_a.sum(-1)
-    out = compact_topk_gpu(scores, signed[:, 0], need, jnp.cumsum(per_a, -1) - per_a,
-                           jnp.cumsum(per_e, -1) - per_e, topk=topk, chunk=COMPACT_CHUNK,
+    out = compact_topk_gpu(scores, threshold, per_a, per_e, topk=topk, chunk=COMPACT_CHUNK,
                            interpret=interpret)
     return out.reshape(*lead, topk)
   if compact != "xla":

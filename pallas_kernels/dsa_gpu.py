@@ -3,8 +3,8 @@ indexer's scores and for sparse paged MLA.
 
 The public ops, the layouts and the masking rule are documented in `pallas_kernels.dsa`;
 this module holds only the GPU kernels and their wrappers. The top-k between them is
-`dsa.radix_topk`: a threshold search whose counting rounds are `count_at_least_gpu`,
-then `compact_topk_gpu` (both below).
+`dsa.radix_topk`: a threshold search whose rounds are `radix_threshold_gpu`, then
+`compact_topk_gpu` (both below).
 
 Indexer scores. One program handles (tile of `query_rows` query rows, KV split, batch
 row) and walks its share of the visible kv positions `block_k` at a time: each block of
@@ -38,18 +38,20 @@ With few programs (small batch) the indices are split across programs
 (flash-decoding) and merged by `common.combine_splits`. Reads: topk * Dk * itemsize
 bytes a query row and head tile, independent of the context length.
 
-Top-k counting. Each of the radix select's 8 rounds counts, per row, the scores whose
-ordered key is >= each of 15 candidates: one program a (segment, row) streams its
-segment 512 scores a step (a [512, 16] compare and column sum in registers, one spare
-lane) and writes 16 partial counts, which XLA sums. One coalesced read of the scores a
-round, no temporaries.
+Top-k rounds. The radix select's 8 rounds (4-bit digits) are one launch each: one
+program a (segment, row) first fixes the previous digit from the previous round's
+[segments, 16] counts of its row (so no XLA step sits between rounds), then streams its
+segment 512 scores a step, comparing each key with the 15 candidates of the next digit
+(a [512, 16] compare and column sum in registers, one spare lane), and writes 16
+partial counts. One coalesced read of the scores a round, no temporaries.
 
 Top-k compaction. Once the k-th largest score of each row is known (as an ordered int32
 key), one program a (1024-score chunk, row) reads the chunk, recomputes the keys, takes
 the exclusive prefix counts of the scores above and equal to the threshold (Triton
-scans) on top of the chunk's offsets (an XLA cumsum over per-chunk counts), and
-scatters the chosen positions to their slots: ascending positions, ties towards the
-lower position, the topk outputs written once and the scores read once.
+scans) on top of the chunk's offsets (summed in the program from one XLA reduction's
+per-chunk counts), and scatters the chosen positions to their slots: ascending
+positions, ties towards the lower position, the topk outputs written once and the
+scores read once.
 """
 
 from __future__ import annotations
@@ -295,20 +297,118 @@ def sparse_mla_gpu(q, kv_pages, block_tables, indices, *, v_dim, sm_scale, block
   return combine_splits(*outs).astype(q.dtype)
 
 
-# ------------------------------------------------------------------ top-k compaction
-def _compact_kernel(s_ref, thr_ref, need_ref, off_a_ref, off_e_ref, init_ref, o_ref, *,
-                    chunk):
+# ------------------------------------------------------------------------ top-k
+INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
+DIGITS = 16   # 4-bit digits: 15 candidates a round and one spare lane
+
+
+def _ordered_int32(s):
+  """int32 keys in the order of the f32 scores s (-0.0 just below +0.0, NaN above +inf)."""
+  bits = lax.bitcast_convert_type(s, jnp.int32)
+  return jnp.where(bits < 0, bits ^ INT32_MAX, bits)
+
+
+def _row_vector(ref, n, width):
+  """ref[:n, :width] of a [n, width] block as a [next_pow2(n), width] array, zero rows
+  past n (Triton arrays have power-of-two sizes)."""
+  rows = 1 << max(0, (n - 1).bit_length())
+  shape = (rows, width)
+  at = (lax.broadcasted_iota(jnp.int32, shape, 0), lax.broadcasted_iota(jnp.int32, shape, 1))
+  return pltriton.load(ref.at[at], mask=at[0] < n, other=0)
+
+
+def _best_digit(partial_ref, segments, topk):
+  """The largest digit whose count (summed over the row's segments) reaches topk."""
+  counts = _row_vector(partial_ref, segments, DIGITS).sum(axis=0)     # [16]
+  lane = jnp.arange(DIGITS, dtype=jnp.int32)
+  return jnp.sum(((counts >= topk) & (lane < DIGITS - 1)).astype(jnp.int32))
+
+
+def _round_kernel(s_ref, *refs, chunk, steps, segments, shift, topk):
+  """One radix round for one (segment, row): the row's prefix from the previous round's
+  counts, this round's 15 candidates, their counts over the segment."""
+  if shift == 32 - 4:   # the first round: no prefix yet
+    o_ref, prefix_out = refs
+    prefix = jnp.int32(0)
+  else:
+    prefix_ref, partial_ref, o_ref, prefix_out = refs
+    prefix = prefix_ref[0] | (_best_digit(partial_ref, segments, topk) << (shift + 4))
+  lane = jnp.arange(DIGITS, dtype=jnp.int32)
+  # The candidates as unsigned keys are prefix | d << shift (d = 1 .. 15); flipping the
+  # sign bit gives the int32 ordered keys. The spare lane counts nothing real.
+  cand = (prefix | ((lane + 1) << shift)) ^ INT32_MIN
+  cand = jnp.where(lane < DIGITS - 1, cand, INT32_MAX)
+
+  def body(i, acc):
+    keys = _ordered_int32(s_ref[pl.ds(i * chunk, chunk)])             # [chunk]
+    return acc + (keys[:, None] >= cand[None, :]).astype(jnp.int32).sum(axis=0)
+
+  o_ref[...] = lax.fori_loop(0, steps, body, jnp.zeros((DIGITS,), jnp.int32))
+  prefix_out[...] = jnp.full((1,), prefix, jnp.int32)   # the same from every segment
+
+
+def radix_threshold_gpu(scores, *, topk, segment, chunk, interpret):
+  """[R] int32: the ordered key of each row's topk-th largest score, in 8 launches.
+
+  scores [R, N] f32, N a multiple of segment, segment of chunk. Round r (4-bit digits,
+  most significant first) is one launch of one program a (segment, row): it sums the
+  previous round's [segments, 16] counts of its row to fix the previous digit (the
+  largest whose count reaches topk), then counts how many of its segment's keys are >=
+  each of the 15 candidates for the next digit (a [chunk, 16] compare and column sum in
+  registers, `chunk` scores a step: one coalesced read of the scores a round). The
+  last digit is fixed from the last round's counts in XLA.
+  """
+  rows, size = scores.shape
+  segments = size // segment
+  common = dict(chunk=chunk, steps=segment // chunk, segments=segments, topk=topk)
+  out_shape = [jax.ShapeDtypeStruct((rows, segments, DIGITS), jnp.int32),
+               jax.ShapeDtypeStruct((rows,), jnp.int32)]
+  out_specs = [pl.BlockSpec((None, None, DIGITS), lambda g, r: (r, g, 0)),
+               pl.BlockSpec((1,), lambda g, r: (r,))]
+  s_spec = pl.BlockSpec((None, segment), lambda g, r: (r, g))
+  prev = ()
+  for shift in range(28, -1, -4):
+    in_specs = [s_spec]
+    if prev:
+      in_specs += [pl.BlockSpec((1,), lambda g, r: (r,)),
+                   pl.BlockSpec((None, segments, DIGITS), lambda g, r: (r, 0, 0))]
+    partial, prefix = pl.pallas_call(
+        functools.partial(_round_kernel, shift=shift, **common),
+        grid=(segments, rows),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="dsa_topk_count_gpu",
+    )(scores, *prev)
+    prev = (prefix, partial)
+  best = jnp.sum(partial.sum(axis=1)[:, :DIGITS - 1] >= topk, axis=-1, dtype=jnp.int32)
+  return (prefix | best) ^ jnp.int32(INT32_MIN)
+
+
+def _compact_kernel(s_ref, thr_ref, per_a_ref, per_e_ref, init_ref, o_ref, *, chunk, topk,
+                    chunks):
   del init_ref  # aliased to o_ref: the -1 padding the kernel leaves where it stores nothing
   g = pl.program_id(0)
   s = s_ref[...]                                                      # [chunk] f32
   keys = _ordered_int32(s)
-  thr, need = thr_ref[0], need_ref[0]
+  thr = thr_ref[0]
+  # This row's counts above / equal to the threshold, chunk by chunk: those before g are
+  # the chunk's offsets, all of the above ones fix how many equal ones to take.
+  n = 1 << max(0, (chunks - 1).bit_length())
+  idx = jnp.arange(n, dtype=jnp.int32)
+  per_a = pltriton.load(per_a_ref.at[idx], mask=idx < chunks, other=0)
+  per_e = pltriton.load(per_e_ref.at[idx], mask=idx < chunks, other=0)
+  need = topk - per_a.sum()
+  off_a = jnp.where(idx < g, per_a, 0).sum()
+  off_e = jnp.where(idx < g, per_e, 0).sum()
   above = keys > thr
   equal = (keys == thr) & (s != -jnp.inf)
   a, e = above.astype(jnp.int32), equal.astype(jnp.int32)
-  before_e = off_e_ref[0] + jnp.cumsum(e) - e
+  before_e = off_e + jnp.cumsum(e) - e
   chosen = above | (equal & (before_e < need))
-  slot = off_a_ref[0] + jnp.cumsum(a) - a + jnp.minimum(before_e, need)
+  slot = off_a + jnp.cumsum(a) - a + jnp.minimum(before_e, need)
   pos = g * chunk + jnp.arange(chunk, dtype=jnp.int32)
   # Lanes not chosen aim at the spare last column (masked anyway; the interpreter's
   # masked scatter writes them back, which must not land on a chosen slot).
@@ -316,78 +416,34 @@ def _compact_kernel(s_ref, thr_ref, need_ref, off_a_ref, off_e_ref, init_ref, o_
   pltriton.store(o_ref.at[jnp.where(chosen, slot, spare)], pos, mask=chosen)
 
 
-def compact_topk_gpu(scores, threshold, need, off_above, off_equal, *, topk, chunk,
-                     interpret):
+def compact_topk_gpu(scores, threshold, per_above, per_equal, *, topk, chunk, interpret):
   """The positions the radix select chose, in ascending order, -1 padded: [R, topk].
 
-  scores [R, N] f32 (N a multiple of chunk); threshold [R] int32 (the k-th largest
-  score's ordered int32 key); need [R] int32 (how many scores equal to it to take);
-  off_above, off_equal [R, N / chunk] int32 (scores above / equal to the threshold in
-  the chunks before each). One program a (chunk, row): the chunk's exclusive prefix
-  counts (a Triton scan) place each chosen position at its slot, a masked scatter
-  store; the output starts as -1 (aliased), so slots nobody fills stay -1. The output
-  has one spare column, the target of the lanes not chosen, sliced off here.
+  scores [R, N] f32 (N a multiple of chunk); threshold [R] int32 (the topk-th largest
+  score's ordered key); per_above, per_equal [R, N / chunk] int32 (each chunk's count of
+  scores above / equal to it, one XLA reduction). One program a (chunk, row): the
+  offsets from the chunks before it, the exclusive prefix counts within the chunk
+  (Triton scans), and a masked scatter of the chosen positions to their slots; the
+  output starts as -1 (aliased), so slots nobody fills stay -1. It has one spare
+  column, the target of the lanes not chosen, sliced off here.
   """
   rows, size = scores.shape
   chunks = size // chunk
   init = jnp.full((rows, topk + 1), -1, jnp.int32)
   return pl.pallas_call(
-      functools.partial(_compact_kernel, chunk=chunk),
+      functools.partial(_compact_kernel, chunk=chunk, topk=topk, chunks=chunks),
       grid=(chunks, rows),
       in_specs=[
           pl.BlockSpec((None, chunk), lambda g, r: (r, g)),
           pl.BlockSpec((1,), lambda g, r: (r,)),
-          pl.BlockSpec((1,), lambda g, r: (r,)),
-          pl.BlockSpec((None, 1), lambda g, r: (r, g)),
-          pl.BlockSpec((None, 1), lambda g, r: (r, g)),
+          pl.BlockSpec((None, chunks), lambda g, r: (r, 0)),
+          pl.BlockSpec((None, chunks), lambda g, r: (r, 0)),
           pl.BlockSpec((None, topk + 1), lambda g, r: (r, 0)),
       ],
       out_specs=pl.BlockSpec((None, topk + 1), lambda g, r: (r, 0)),
       out_shape=jax.ShapeDtypeStruct((rows, topk + 1), jnp.int32),
-      input_output_aliases={5: 0},
+      input_output_aliases={4: 0},
       compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
       interpret=interpret,
       name="dsa_topk_compact_gpu",
-  )(scores, threshold, need, off_above, off_equal, init)[:, :topk]
-
-
-# ------------------------------------------------------------------ top-k digit counts
-def _ordered_int32(s):
-  """int32 keys in the order of the f32 scores s (-0.0 just below +0.0)."""
-  bits = lax.bitcast_convert_type(s, jnp.int32)
-  return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-
-
-def _count_kernel(s_ref, cand_ref, o_ref, *, chunk, steps):
-  cand = cand_ref[...]                                                # [D] int32
-
-  def body(i, acc):
-    keys = _ordered_int32(s_ref[pl.ds(i * chunk, chunk)])             # [chunk]
-    return acc + (keys[:, None] >= cand[None, :]).astype(jnp.int32).sum(axis=0)
-
-  o_ref[...] = lax.fori_loop(0, steps, body, jnp.zeros(cand.shape, jnp.int32))
-
-
-def count_at_least_gpu(scores, cand, *, segment, chunk, interpret):
-  """[R, D] int32: per row, how many scores have an ordered key >= each candidate.
-
-  scores [R, N] f32 (N a multiple of segment, segment of chunk); cand [R, D] int32
-  ordered keys (D a power of two). One program a (segment, row) streams its segment
-  `chunk` scores at a time (coalesced loads, the compares and a column sum in
-  registers) and writes D partial counts; XLA sums the [R, N / segment, D] partials.
-  """
-  rows, size = scores.shape
-  segments = size // segment
-  width = cand.shape[1]
-  partial = pl.pallas_call(
-      functools.partial(_count_kernel, chunk=chunk, steps=segment // chunk),
-      grid=(segments, rows),
-      in_specs=[pl.BlockSpec((None, segment), lambda g, r: (r, g)),
-                pl.BlockSpec((None, width), lambda g, r: (r, 0))],
-      out_specs=pl.BlockSpec((None, None, width), lambda g, r: (r, g, 0)),
-      out_shape=jax.ShapeDtypeStruct((rows, segments, width), jnp.int32),
-      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
-      interpret=interpret,
-      name="dsa_topk_count_gpu",
-  )(scores, cand)
-  return partial.sum(axis=1)
+  )(scores, threshold, per_above, per_equal, init)[:, :topk]

@@ -247,23 +247,23 @@ def test_radix_topk_matches_lax_topk(size, topk, ties):
                                   err_msg=method)
 
 
-def test_gpu_count_kernel_streams_segments():
-  """The counting kernel over several segments of several steps each, vs numpy."""
-  from pallas_kernels.dsa_gpu import count_at_least_gpu
+@pytest.mark.parametrize("topk", [1, 37, 4096])
+def test_gpu_radix_rounds_find_the_threshold(topk):
+  """The GPU radix rounds (several segments of several steps each) find the same k-th
+  largest key as the XLA rounds and as a sort, over ties, signed zeros, extremes and a
+  row with fewer than topk finite scores."""
+  from pallas_kernels.dsa_gpu import radix_threshold_gpu
   rng = np.random.default_rng(3)
-  scores = _random_scores(rng, 3, 4096, ties=True)
+  scores = _random_scores(rng, 3, 4096, ties=topk == 37)
   scores[0, :8] = [-0.0, 0.0, np.nan, np.inf, -np.inf, 1e-45, -1e-45, 3.0]
-  cand_scores = np.sort(rng.choice(scores[np.isfinite(scores)], (3, 15)), axis=1)
-  cand_scores[0, :4] = [-0.0, 0.0, -np.inf, 3.0]
-  order = lambda x: np.where(x.view(np.int32) < 0, x.view(np.int32) ^ 0x7FFFFFFF,
-                             x.view(np.int32))
-  cand = np.concatenate([order(cand_scores.astype(np.float32)),
-                         np.full((3, 1), np.iinfo(np.int32).max, np.int32)], axis=1)
-  got = count_at_least_gpu(jnp.asarray(scores), jnp.asarray(cand), segment=2048, chunk=512,
-                           interpret=True)
-  want = (order(scores)[:, :, None] >= cand[:, None, :]).sum(axis=1)
-  np.testing.assert_array_equal(got, want)
-  assert want[0, 0] != want[0, 1]      # -0.0 and +0.0 are distinct keys
+  got = radix_threshold_gpu(jnp.asarray(scores), topk=topk, segment=2048, chunk=512,
+                            interpret=True)
+  keys = dsa._ordered_keys(jnp.asarray(scores))
+  count = lambda cand: jnp.sum(keys[:, :, None] >= cand[:, None, :], axis=1)
+  want = np.asarray(dsa.radix_threshold(count, 3, topk))
+  np.testing.assert_array_equal(np.asarray(got).view(np.uint32) ^ np.uint32(1 << 31), want)
+  by_sort = np.sort(np.asarray(keys), axis=1)[:, ::-1][:, topk - 1]
+  np.testing.assert_array_equal(want, by_sort)
 
 
 # ---------------------------------------------------------------- indexer kernels (GPU)
