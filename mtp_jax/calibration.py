@@ -73,7 +73,8 @@ def calibrate_kv_scales(model, token_rows=None, margin: float = KV_MARGIN) -> tu
         def recording(positions):
             inner = causal_attend(positions)
 
-            def attend(layer, q, k, v, window, *, sm_scale=None, v_dim=None, sinks=None):
+            def attend(layer, q, k, v, window, *, sm_scale=None, v_dim=None, sinks=None,
+                       index=None):
                 def amax(x, axis):
                     return jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis)
                 if v is None:  # a latent row: its latent and rope parts, one scale each
@@ -83,7 +84,7 @@ def calibrate_kv_scales(model, token_rows=None, margin: float = KV_MARGIN) -> tu
                 old = seen.get(layer)
                 seen[layer] = got if old is None else tuple(map(jnp.maximum, old, got))
                 return inner(layer, q, k, v, window, sm_scale=sm_scale, v_dim=v_dim,
-                             sinks=sinks)
+                             sinks=sinks, **({} if index is None else {"index": index}))
             return attend
 
         forward_train(nnx.merge(model.graphdef, params), tokens, attend_for=recording)
@@ -112,7 +113,8 @@ def fp8_kv_attend(scales):
     def attend_for(positions):
         inner = causal_attend(positions)
 
-        def attend(layer, q, k, v, window, *, sm_scale=None, v_dim=None, sinks=None):
+        def attend(layer, q, k, v, window, *, sm_scale=None, v_dim=None, sinks=None,
+                   index=None):  # a DSA layer's index keys stay unrounded here
             ks, vs = scales[layer]
             if v is None:  # a latent row: its two parts over their own scales
                 per_dim = latent_row_scale(ks, k.shape[-1], v_dim)
@@ -120,7 +122,8 @@ def fp8_kv_attend(scales):
                 k = (back.astype(jnp.float32) * per_dim).astype(k.dtype)
             else:
                 k, v = rounded(k, ks), rounded(v, vs)
-            return inner(layer, q, k, v, window, sm_scale=sm_scale, v_dim=v_dim, sinks=sinks)
+            return inner(layer, q, k, v, window, sm_scale=sm_scale, v_dim=v_dim, sinks=sinks,
+                         **({} if index is None else {"index": index}))
         return attend
 
     return attend_for

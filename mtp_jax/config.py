@@ -235,6 +235,43 @@ class GDNConfig:
         return 2 * self.key_dim + self.value_dim
 
 
+@dataclasses.dataclass(frozen=True)
+class DSAConfig:
+    """DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): a lightning indexer scores every
+    cached token for each query and MLA attends only to the `index_topk` best (mtp_jax/dsa.py).
+
+    Index queries wq_b(q latent) [index_n_heads, index_head_dim] and one index key per token
+    LayerNorm(wk x) [index_head_dim], both with RoPE on their first qk_rope_head_dim dims
+    (rotate-half, or interleaved pairs when `rope_interleave`: GLM-5); the score of key s
+    for query t is sum_h w_h(t) relu(q_h(t) . k(s)), w = weights_proj(x) * heads**-0.5 *
+    head_dim**-0.5. `shared`: per layer (target + MTP; empty: none), the layer has no
+    indexer and reuses the selection of the layer before it (GLM's `indexer_types`
+    "shared").
+    """
+
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    rope_interleave: bool = False
+    shared: tuple = ()
+
+    def __post_init__(self):
+        for name in ("index_n_heads", "index_head_dim", "index_topk"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ConfigError(f"config field {name}={val!r} (DSA) must be an integer >= 1")
+        object.__setattr__(self, "shared", tuple(bool(x) for x in self.shared))
+        if self.shared and self.shared[0]:
+            raise ConfigError("indexer_types: the first layer must run its own indexer "
+                              "(\"full\"); a \"shared\" layer reuses the one before it")
+        if not any(self.shared):
+            object.__setattr__(self, "shared", ())
+
+    def has_indexer(self, layer: int) -> bool:
+        """The layer runs its own indexer (else it reuses the previous layer's selection)."""
+        return not (self.shared and layer < len(self.shared) and self.shared[layer])
+
+
 # Weight quantization modes (quant.py): per-channel int8 / fp8, 128 x 128-block fp8.
 QUANT_MODES = ("int8", "fp8", "fp8-block")
 
@@ -307,6 +344,7 @@ class ModelConfig:
     # per target + MTP layer: True where the layer is Gated DeltaNet linear attention
     # (empty: none is)
     linear_layers: tuple = ()
+    dsa: Optional[DSAConfig] = None  # sparse attention over the MLA layers (None: dense)
     quantization: Optional[WeightQuant] = None  # how the checkpoint's weights are stored
     dtype: str = "bfloat16"  # checkpoint dtype (HF torch_dtype)
 
@@ -354,6 +392,8 @@ class ModelConfig:
             if any(w is not None for w in self.sliding_windows + self.mtp_sliding_windows):
                 raise ConfigError("sliding-window layers with MLA are not implemented (the "
                                   "paged MLA kernel attends over the full context)")
+        if self.dsa is not None:
+            _check_dsa(self)
         total = self.num_layers_total
         defaults = {"layer_num_heads": self.num_heads, "layer_num_kv_heads": self.num_kv_heads,
                     "layer_rope_theta": self.rope_theta,
@@ -477,6 +517,9 @@ class ModelConfig:
                 d * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * n * hd)
             attn = q + d * m.cache_dim + m.kv_lora_rank
             attn += m.kv_lora_rank * n * (m.qk_nope_dim + m.v_head_dim) + n * m.v_head_dim * d
+            if self.dsa is not None and self.dsa.has_indexer(layer):  # wq_b, wk, k_norm, weights
+                hi, di = self.dsa.index_n_heads, self.dsa.index_head_dim
+                attn += m.q_lora_rank * hi * di + d * di + 2 * di + d * hi
         else:
             vd = self.v_dim
             attn = d * ((n + kv) * hd + kv * vd) + n * vd * d
@@ -507,6 +550,23 @@ class ModelConfig:
             mtp += emb if self.mtp_own_head else 0
             mtp += emb if self.mtp_own_embed else 0
         return target + mtp + (mtp_in if self.mtp_shared_input and self.num_mtp_modules else 0)
+
+
+def _check_dsa(cfg: "ModelConfig") -> None:
+    """DSA needs MLA with a q latent (the index queries are read from it) and index heads
+    that hold the rope dims."""
+    d = cfg.dsa
+    if cfg.mla is None or cfg.mla.q_lora_rank is None:
+        raise ConfigError("DeepSeek Sparse Attention (index_topk) needs MLA with q_lora_rank: "
+                          "the indexer's queries are read from the q latent")
+    if d.index_head_dim < cfg.mla.qk_rope_dim:
+        raise ConfigError(f"index_head_dim={d.index_head_dim} is smaller than "
+                          f"qk_rope_head_dim={cfg.mla.qk_rope_dim} (the indexer's RoPE dims)")
+    if d.shared and len(d.shared) not in (cfg.num_layers, cfg.num_layers_total):
+        raise ConfigError(f"indexer_types has {len(d.shared)} entries, expected "
+                          f"{cfg.num_layers}")
+    if any(d.shared[cfg.num_layers:]):
+        raise ConfigError("an MTP layer runs its own indexer (indexer_types \"full\")")
 
 
 # ModelConfig fields that hold one value per layer over target + MTP layers.

@@ -22,6 +22,9 @@ per layer); with
 latent attention (MLA, `latent` layouts) one array per layer, (kv,) [1, num_pages,
 page_size, kv_lora_rank + rope dims]: a token's latent and rope key, which is its key for
 every head and, in its first kv_lora_rank dims, its value (pallas_kernels/paged_mla.py).
+A DeepSeek Sparse Attention layer (dsa.py) adds its index keys, [1, num_pages, page_size,
+index_head_dim] in the same pages (and, for fp8 pages, their per-token scales), and attends
+over the tokens its indexer selects (`pallas_kernels.dsa`).
 """
 
 from __future__ import annotations
@@ -40,9 +43,11 @@ from pallas_kernels.paged_attention import paged_attention
 
 from .config import ConfigError, EngineConfig, ModelConfig
 from .delta_rule import mix_tokens, state_shapes
+from .dsa import check_kernels as check_dsa_kernels
+from .dsa import index_dim, paged_sparse_mla, paged_topk
 from .model import cache_entry
 from .pages import PageAllocator  # noqa: F401  (host-side, jax-free; re-exported)
-from .quant import FP8_KV_DTYPE, latent_row_scale
+from .quant import FP8_KV_DTYPE, FP8_MAX, latent_row_scale
 from .sharding import P, batch_axis, kv_heads_axis, shard_kernel
 
 
@@ -76,6 +81,10 @@ class KVLayout:
 
     def is_linear(self, layer: int) -> bool:
         return bool(self.linear) and self.linear[layer] is not None
+    # DeepSeek Sparse Attention: per layer, the index-key dims a token caches in an array of
+    # its own after the latent row's, [1, pages, page_size, dims] (0: none; empty: no layer);
+    # fp8 pages add each token's index-key scale, [1, pages, page_size, 1] float32
+    index_dims: tuple = ()
 
     @property
     def arrays_per_layer(self) -> int:
@@ -99,7 +108,22 @@ class KVLayout:
         heads, dims, v_dims = self.layer_dims[layer]
         pages = self.groups[self.layer_group[layer]].num_pages
         k = (heads, pages, self.page_size, dims)
-        return (k,) if self.latent else (k, (heads, pages, self.page_size, v_dims))
+        shapes = (k,) if self.latent else (k, (heads, pages, self.page_size, v_dims))
+        if self.index_dims and self.index_dims[layer]:
+            shapes += ((1, pages, self.page_size, self.index_dims[layer]),)
+            if self.scales is not None:
+                shapes += ((1, pages, self.page_size, 1),)
+        return shapes
+
+    def page_dtypes(self, layer: int) -> tuple:
+        """The dtype of each array of `page_shapes(layer)`: the pages', and float32 for
+        the per-token index-key scales of fp8 pages; a linear layer's state dtypes."""
+        if self.is_linear(layer):  # (conv, recurrent) states
+            return (self.state_dtype, "float32")
+        n = len(self.page_shapes(layer))
+        extra = 1 if self.index_dims and self.index_dims[layer] and self.scales is not None \
+            else 0
+        return (self.dtype,) * (n - extra) + ("float32",) * extra
 
     def pages_for(self, group: int, tokens: int) -> int:
         g = self.groups[group]
@@ -108,14 +132,19 @@ class KVLayout:
     def bytes_per_page(self, group: int = 0) -> int:
         """Bytes one page id of `group` holds over all the group's layers."""
         return page_bytes(self.layer_dims, [g == group for g in self.layer_group],
-                          self.page_size, self.dtype)
+                          self.page_size, self.dtype, self.index_dims,
+                          4 if self.scales is not None else 0)
 
 
-def page_bytes(layer_dims, members, page_size: int, dtype) -> int:
+def page_bytes(layer_dims, members, page_size: int, dtype, index_dims=(),
+               index_scale_bytes: int = 0) -> int:
     """Bytes of one page id over the layers flagged in `members` (k and v, or a latent
-    row, per layer)."""
-    return page_size * jnp.dtype(dtype).itemsize * sum(
-        heads * (dims + v_dims) for (heads, dims, v_dims), m in zip(layer_dims, members) if m)
+    row, per layer, and a DSA layer's index keys with, for fp8 pages, their scales)."""
+    index_dims = index_dims or (0,) * len(layer_dims)
+    return page_size * sum(
+        jnp.dtype(dtype).itemsize * (heads * (dims + v_dims) + idx)
+        + (index_scale_bytes if idx else 0)
+        for (heads, dims, v_dims), idx, m in zip(layer_dims, index_dims, members) if m)
 
 
 def make_layout(cfg: ModelConfig, eng: EngineConfig, k: int, dtype, *,
@@ -149,9 +178,12 @@ def make_layout(cfg: ModelConfig, eng: EngineConfig, k: int, dtype, *,
     layer_dims = tuple(e[:3] for e in entries)
     linear = tuple(cfg.layer_spec(i).attention if cfg.is_linear(i) else None
                    for i in range(n_layers))
+    index_dims = tuple(index_dim(cfg, i) for i in range(len(windows)))
+    index_dims = index_dims if any(index_dims) else ()
     groups = []
     for w in [None] + kinds:
-        group_bytes = page_bytes(layer_dims, [x == w for x in windows], ps, dtype)
+        group_bytes = page_bytes(layer_dims, [x == w for x in windows], ps, dtype, index_dims,
+                                 4 if scales is not None else 0)
         if w is None:
             per_req = math.ceil((eng.max_model_len + k) / ps)
             ring = 0
@@ -170,12 +202,16 @@ def make_layout(cfg: ModelConfig, eng: EngineConfig, k: int, dtype, *,
                     layer_group=tuple(kind_index[w] for w in windows),
                     layer_dims=layer_dims, dtype=jnp.dtype(dtype).name, latent=latent,
                     scales=scales, linear=linear if any(x is not None for x in linear) else (),
-                    slots=eng.max_batch, state_dtype=jnp.dtype(model_dtype).name)
+                    slots=eng.max_batch, state_dtype=jnp.dtype(model_dtype).name,
+                    index_dims=index_dims)
 
 
 def check_kernels(layout: KVLayout, eng: EngineConfig, cfg: ModelConfig) -> None:
     """ConfigError, before anything compiles, for a latent (MLA) cache the chosen paged-MLA
-    kernel cannot tile (e.g. a kv_lora_rank off the TPU's 128-lane tiles), with why."""
+    kernel cannot tile (e.g. a kv_lora_rank off the TPU's 128-lane tiles), with why; the
+    same for the DSA kernels of a sparse-attention model (dsa.check_kernels)."""
+    if layout.index_dims:
+        check_dsa_kernels(layout, eng, cfg)
     if not layout.latent:
         return
     backend = resolve_backend(eng.attention_backend, mla_kernel.BACKEND_ENV_VAR, "paged-MLA")
@@ -195,14 +231,12 @@ def check_kernels(layout: KVLayout, eng: EngineConfig, cfg: ModelConfig) -> None
 
 
 def init_caches(layout: KVLayout):
-    """Zeroed pages for every layer: (k, v), or (kv,) for a latent layout; a
-    linear-attention layer's zeroed states (conv in the model dtype, recurrent in f32)."""
-    def layer(i):
-        shapes = layout.page_shapes(i)
-        if layout.is_linear(i):
-            return (jnp.zeros(shapes[0], layout.state_dtype), jnp.zeros(shapes[1], jnp.float32))
-        return tuple(jnp.zeros(shape, layout.dtype) for shape in shapes)
-    return tuple(layer(i) for i in range(layout.num_layers))
+    """Zeroed pages for every layer: (k, v), or (kv,) for a latent layout (a DSA layer's
+    index keys, and their fp8 scales, after it); a linear-attention layer's zeroed states
+    (conv in the model dtype, recurrent in f32)."""
+    return tuple(tuple(jnp.zeros(shape, dtype) for shape, dtype in
+                       zip(layout.page_shapes(i), layout.page_dtypes(i)))
+                 for i in range(layout.num_layers))
 
 
 class PagedKV:
@@ -303,6 +337,60 @@ class PagedKV:
     def attend(self, positions, kv_lens):
         return _Attend(self, positions, kv_lens)
 
+    def _attend_sparse(self, layer, q, kv, index, slots, table, kv_lens, sm_scale, v_dim,
+                       selected):
+        """A DSA layer: the latent row and (with its own indexer) the index key written, then
+        MLA over the tokens the indexer selects per query row (dsa.paged_topk), or over every
+        visible token when no row can see more than index_topk of them (the table's width
+        bounds that statically), or over the previous layer's selection (a shared layer)."""
+        cache = self.caches[layer]
+        scales = self._scales(layer)  # fp8 pages: the latent row's (latent, rope) scales
+        pages = self._write(cache[:1], kv, None, slots, scales, v_dim)
+        if not index.shared:
+            k = index.k[:, :, None]
+            if scales:  # fp8 index keys, each token over its own scale (amax / 448)
+                amax = jnp.max(jnp.abs(k.astype(jnp.float32)), axis=-1, keepdims=True)
+                k_scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+                pages += self._write(cache[1:2], k.astype(jnp.float32) / k_scale, None,
+                                     slots, (), None)
+                pages += self._write(cache[2:], k_scale, None, slots, (), None)
+            else:
+                pages += self._write(cache[1:], k, None, slots, (), None)
+        self.caches[layer] = pages
+        if index.topk >= table.shape[1] * self.layout.page_size:
+            return self._attend(q, pages[:1], table, kv_lens, None, sm_scale, v_dim, None,
+                                scales)
+        dp = self.dp
+        if index.shared:
+            if "last" not in selected:
+                raise ValueError("a layer sharing its indexer's selection needs a layer with "
+                                 "an indexer before it in the same forward")
+            indices = selected["last"]
+        else:
+            def topk(q_i, w, k_pages, table, kv_lens, *k_scale):
+                return paged_topk(dataclasses.replace(index, q=q_i, w=w), k_pages[0], table,
+                                  kv_lens, backend=self.backend,
+                                  k_scale=k_scale[0][0, :, :, 0] if k_scale else None)
+
+            page = P(None, None, None, None)
+            fn = shard_kernel(topk, self.mesh, (P(dp, None, None, None), P(dp, None, None),
+                                                page, P(dp, None), P(dp))
+                              + (page,) * len(pages[2:]), P(dp, None, None))
+            indices = selected["last"] = fn(index.q, index.w, pages[1], table, kv_lens,
+                                            *pages[2:])
+        heads = kv_heads_axis(self.mesh, q.shape[2])
+
+        def attn(q, kv, table, indices, *kv_scale):
+            return paged_sparse_mla(q, kv[0], table, indices, v_dim=v_dim, sm_scale=sm_scale,
+                                    backend=self.backend,
+                                    kv_scale=kv_scale[0] if kv_scale else None)
+
+        rows = P(dp, None, heads, None)
+        fn = shard_kernel(attn, self.mesh, (rows, P(None, None, None, None), P(dp, None),
+                                            P(dp, None, None)) + (P(None),) * len(scales),
+                          rows)
+        return fn(q, pages[0], table, indices, *scales)
+
     def _states(self, layer):
         """(conv, recurrent) states of this forward's rows for a linear-attention layer."""
         conv, rec = self.caches[layer]
@@ -357,12 +445,17 @@ class _Attend:
         self.kv, self.positions, self.kv_lens = kv, positions, kv_lens
         self.slots = [slot_mapping(bt, positions, kv.layout.page_size, kv.limit)
                       for bt in kv.block_tables]
+        self.selected = {}  # DSA: the last layer's selection, for a layer that reuses it
 
-    def __call__(self, layer, q, k, v, window, *, sm_scale=None, v_dim=None, sinks=None):
+    def __call__(self, layer, q, k, v, window, *, sm_scale=None, v_dim=None, sinks=None,
+                 index=None):
         kv = self.kv
         g = kv.layout.layer_group[layer]
         if (v is None) != kv.layout.latent:
             raise ValueError("latent attention needs a latent KV layout, and only it")
+        if index is not None:  # DeepSeek Sparse Attention (dsa.py)
+            return kv._attend_sparse(layer, q, k, index, self.slots[g], kv.block_tables[g],
+                                     self.kv_lens, sm_scale, v_dim, self.selected)
         scales = kv._scales(layer)
         pages = kv._write(kv.caches[layer], k, v, self.slots[g], scales, v_dim)
         kv.caches[layer] = pages

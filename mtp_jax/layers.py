@@ -158,12 +158,13 @@ class MLP(nnx.Module):
 
 # ----------------------------------------------------------------- plain attention
 def dense_attention(q, k, v, q_pos, k_pos, k_valid, window, sm_scale=None, v_dim=None,
-                    sinks=None):
+                    sinks=None, select=None):
     """Reference attention on dense keys: q [b,t,n,h], k [b,s,k,h], v [b,s,k,u].
 
     Query at position p sees keys with k_pos <= p (and > p - window), where k_valid.
     v None: the values are k[..., :v_dim] (latent attention). sinks [n]: a per-head logit
-    in the softmax denominator that carries no value.
+    in the softmax denominator that carries no value. select [b, t, s] bool: the keys each
+    query may see at all (DeepSeek Sparse Attention's selection, dsa.py); None: every key.
     """
     if v is None:
         v = k[..., :v_dim]
@@ -176,6 +177,8 @@ def dense_attention(q, k, v, q_pos, k_pos, k_valid, window, sm_scale=None, v_dim
     mask = (k_pos[:, None, :] <= q_pos[:, :, None]) & k_valid[:, None, :]
     if window is not None:
         mask &= k_pos[:, None, :] > q_pos[:, :, None] - window
+    if select is not None:
+        mask &= select
     mask = mask[:, None, None]
     s = jnp.where(mask, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
@@ -194,15 +197,24 @@ def dense_attention(q, k, v, q_pos, k_pos, k_valid, window, sm_scale=None, v_dim
 
 class causal_attend:
     """Backend for a full-sequence forward with no cache (training, tests): dense causal
-    attention, and linear-attention layers from zeroed states (`gdn`)."""
+    attention (DeepSeek Sparse Attention's selection where a layer passes its indexer's
+    query), and linear-attention layers from zeroed states (`gdn`)."""
 
     def __init__(self, positions):
         self.positions = positions
         self.valid = jnp.ones(positions.shape, bool)
+        self.selected = {}  # DSA: the last selection, for a layer that reuses it
 
-    def __call__(self, layer, q, k, v, window, *, sm_scale=None, v_dim=None, sinks=None):
+    def __call__(self, layer, q, k, v, window, *, sm_scale=None, v_dim=None, sinks=None,
+                 index=None):
+        select = None
+        if index is not None:  # DeepSeek Sparse Attention (dsa.IndexQuery)
+            pos = self.positions
+            visible = pos[:, None, :] <= pos[:, :, None]
+            select = self.selected["last"] = index.select(index.k, visible,
+                                                          self.selected.get("last"))
         return dense_attention(q, k, v, self.positions, self.positions, self.valid, window,
-                               sm_scale, v_dim, sinks)
+                               sm_scale, v_dim, sinks, select)
 
     def gdn(self, layer, mix):
         conv, rec = zero_states(mix.spec, mix.qkv.shape[0], mix.qkv.dtype)

@@ -16,7 +16,9 @@ so attention runs as multi-query attention over the cached [c, k_pe] rows with q
 [q_nope W_uk, q_pe] (r + rope dims, one kv head for all n query heads) and values c (the
 first r dims of the same row); the per-head output goes through W_uv, then o_proj. The
 backend gets `attend(layer, q, kv, None, window, sm_scale=..., v_dim=r)`: v is None, the
-values are the first v_dim dims of the keys, read from the same cache entry.
+values are the first v_dim dims of the keys, read from the same cache entry. A layer with DeepSeek
+Sparse Attention (`MLASpec.indexer`) also hands the backend its indexer's `index`
+(dsa.IndexQuery): each query then attends only to the tokens the indexer selects.
 
 Parameter layouts (einsum letters as layers.py, plus r latent, p nope dims, e rope dims,
 c q_lora rank): q_a [d, c] + q_a_norm + q_b [c, n, p + e] (or q [d, n, p + e]),
@@ -31,6 +33,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from .dsa import Indexer, IndexQuery
 from .layers import RMSNorm, _param, apply_rope, rope_inv_freq
 from .quant import qeinsum
 from .specs import MLASpec
@@ -60,11 +63,17 @@ class MLAttention(nnx.Module):
         self.w_uk = _param(rngs, (n, m.qk_nope_dim, r), dtype, r ** -0.5)
         self.w_uv = _param(rngs, (n, r, m.v_head_dim), dtype, r ** -0.5)
         self.o = _param(rngs, (n, m.v_head_dim, d), dtype, (n * m.v_head_dim) ** -0.5)
+        # DeepSeek Sparse Attention: the layer's own indexer (dsa.py), None without DSA or
+        # where the layer reuses the previous layer's selection
+        own = spec.indexer is not None and not spec.index_shared
+        self.indexer = (Indexer(spec.indexer, d, m.q_lora_rank, spec.rope, dtype=dtype,
+                                rngs=rngs) if own else None)
         self.spec = spec
 
     def __call__(self, x, positions, attend, layer):
         m = self.spec.mla
         p, r = m.qk_nope_dim, m.kv_lora_rank
+        qa = None
         if self.q is not None:
             q = qeinsum("btd,dnh->btnh", x, self.q)
         else:
@@ -78,8 +87,12 @@ class MLAttention(nnx.Module):
         q_lat = jnp.einsum("btnp,npr->btnr", q[..., :p], self.w_uk[...])
         q_all = jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1)
         kv_all = jnp.concatenate([latent[:, :, None], k_pe.astype(latent.dtype)], axis=-1)
+        sparse = {}
+        if self.spec.indexer is not None:  # DSA: attend to the tokens the indexer selects
+            sparse["index"] = (self.indexer(x, qa, positions) if self.indexer is not None
+                               else IndexQuery(None, None, None, self.spec.indexer.index_topk))
         out = attend(layer, q_all, kv_all, None, self.spec.window,
-                     sm_scale=self.spec.sm_scale, v_dim=r)          # [b, t, n, r]
+                     sm_scale=self.spec.sm_scale, v_dim=r, **sparse)  # [b, t, n, r]
         out = jnp.einsum("btnr,nrv->btnv", out, self.w_uv[...])
         return qeinsum("btnv,nvd->btd", out, self.o)
 

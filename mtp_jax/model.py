@@ -27,6 +27,7 @@ from .attention import Attention
 from .config import ModelConfig
 from .delta_rule import mix_tokens, zero_states
 from .gdn import GatedDeltaNet
+from .dsa import dense_selection, index_dim
 from .layers import Attend, MLP, RMSNorm, _param, dense_attention
 from .mla import MLAttention
 from .moe import MoE
@@ -111,13 +112,15 @@ class DenseCache:
     Used by the plain reference generator. Writes the new keys at their positions, then
     attends over the cache; `caches` holds the updated arrays after the forward. `lengths`
     [b]: tokens at positions >= lengths are padding, which the states must not take in
-    (None: every token is real).
+    (None: every token is real). A DSA layer (dsa.py) keeps its index keys [b, S, 1, di] as
+    the last array of its entry and attends to the tokens its indexer selects.
     """
 
     def __init__(self, caches, positions, lengths=None):
         self.caches = list(caches)
         self.positions = positions
         self.lengths = lengths
+        self.selected = None  # DSA: the last layer's selection, for a layer that reuses it
 
     @staticmethod
     def init(cfg: ModelConfig, batch, max_len, dtype, num_layers=None):
@@ -129,11 +132,16 @@ class DenseCache:
             heads, dims, v_dims, latent = cache_entry(cfg, i)
             k = jnp.zeros((batch, max_len, heads, dims), dtype)
             out.append((k,) if latent else (k, jnp.zeros((batch, max_len, heads, v_dims), dtype)))
+            if index_dim(cfg, i):  # DSA: the layer's index keys beside its latent rows
+                out[-1] += (jnp.zeros((batch, max_len, 1, index_dim(cfg, i)), dtype),)
         return out
 
-    def __call__(self, layer, q, k, v, window, *, sm_scale=None, v_dim=None, sinks=None):
+    def __call__(self, layer, q, k, v, window, *, sm_scale=None, v_dim=None, sinks=None,
+                 index=None):
         rows = jnp.arange(k.shape[0])[:, None]
         new = (k,) if v is None else (k, v)
+        if index is not None and not index.shared:
+            new += (index.k[:, :, None],)
         cache = tuple(c.at[rows, self.positions].set(x.astype(c.dtype), mode="drop")
                       for c, x in zip(self.caches[layer], new))
         self.caches[layer] = cache
@@ -141,8 +149,13 @@ class DenseCache:
         k_pos = jnp.broadcast_to(jnp.arange(s), (b, s))
         k_valid = k_pos <= jnp.max(self.positions, axis=1, keepdims=True)
         vc = None if v is None else cache[1]
+        select = None
+        if index is not None:  # DeepSeek Sparse Attention: the indexer's selection
+            visible = (k_pos[:, None, :] <= self.positions[:, :, None]) & k_valid[:, None, :]
+            keys = None if index.shared else cache[-1][:, :, 0]
+            select = self.selected = dense_selection(index, keys, visible, self.selected)
         return dense_attention(q, cache[0], vc, self.positions, k_pos, k_valid, window,
-                               sm_scale, v_dim, sinks)
+                               sm_scale, v_dim, sinks, select)
 
     def gdn(self, layer, mix):
         valid = (jnp.ones(self.positions.shape, bool) if self.lengths is None

@@ -87,6 +87,11 @@ class MLASpec:
     rope: RopeSpec
     sm_scale: float  # qk_head_dim ** -0.5, times yarn's mscale(all_dim) ** 2 (DeepSeek)
     window: Optional[int] = None
+    # DeepSeek Sparse Attention (config.DSAConfig): the layer attends only to the tokens its
+    # indexer selects (mtp_jax/dsa.py); `index_shared`: it has no indexer and reuses the
+    # selection of the layer before it
+    indexer: Optional[Any] = None
+    index_shared: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +150,9 @@ def layer_spec(cfg, layer: int) -> LayerSpec:
         attention = GDNSpec(kind="gdn", gdn=cfg.gdn, eps=cfg.rms_norm_eps)
     elif cfg.mla is not None:
         attention = mla_spec(cfg, window)
+        if cfg.dsa is not None:
+            attention = dataclasses.replace(attention, indexer=cfg.dsa,
+                                            index_shared=not cfg.dsa.has_indexer(layer))
     else:
         heads, kv_heads = cfg.heads_of(layer)
         scalar = cfg.query_pre_attn_scalar

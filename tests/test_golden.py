@@ -83,6 +83,10 @@ def forward(case):
     return np.asarray(logits), [np.asarray(o) for o in outs], np.asarray(hidden)
 
 
+def _gold_prompt(case):
+    return case_data(case)[1]["prompt"]
+
+
 def mtp_golden(case, gold):
     """The recorded teacher-forced logits of each MTP layer."""
     if case in ONE_MTP:
@@ -101,7 +105,16 @@ def test_config_and_layout(case):
         assert any(cfg.linear_layers) and not cfg.is_linear(cfg.num_layers)
         assert cfg.norm_offset == 1.0 and cfg.mtp_shared_input
         return
-    if case.startswith("deepseek_v3"):
+    if case.startswith(("deepseek_v32_", "glm_moe_dsa_")):  # DeepSeek Sparse Attention
+        assert cfg.layout == case.rsplit("_", 1)[0] and cfg.mla is not None
+        assert cfg.dsa is not None and cfg.dsa.index_topk < len(_gold_prompt(case))
+        assert cfg.dsa.rope_interleave == (cfg.layout == "glm_moe_dsa")
+        specs = [cfg.layer_spec(i).attention for i in range(cfg.num_layers_total)]
+        shared = [s.index_shared for s in specs]
+        assert shared == ([False, True, False, True, False] if case == "glm_moe_dsa_shared"
+                          else [False] * cfg.num_layers_total)
+        return
+    if case.startswith("deepseek_v3_"):
         assert cfg.layout == "deepseek_v3" and cfg.mla is not None
         assert cfg.mtp_own_head and cfg.mtp_own_embed
         assert (cfg.mla.q_lora_rank is None) == (case == "deepseek_v3_lite")

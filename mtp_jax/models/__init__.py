@@ -17,6 +17,8 @@ Families (`ModelConfig.layout`):
 - ``qwen3_5``       Qwen3.5 / 3.6 dense and MoE: Qwen3-Next's layers in a multimodal wrapper.
 - ``step3p5``       Step-3.5-Flash (``shared_head`` per MTP layer, sliding MTP layers).
 - ``mimo_v2_flash`` MiMo-V2-Flash (sinks, own sliding head counts, ``model.mtp.layers``).
+- ``deepseek_v32``  DeepSeek-V3.2: DeepSeek-V3 with DeepSeek Sparse Attention (indexer).
+- ``glm_moe_dsa``   GLM-5: GLM-4.7-Flash's MLA + MoE with DeepSeek Sparse Attention.
 
 Adding a model family
 ---------------------
@@ -47,8 +49,10 @@ from typing import Any, Optional
 from ..config import ConfigError, ModelConfig, register_layout
 from .base import Family
 from .deepseek_v3 import DeepseekV3
+from .deepseek_v32 import DeepseekV32
 from .glm4_moe import Glm4Moe
 from .glm4_moe_lite import Glm4MoeLite
+from .glm_moe_dsa import GlmMoeDsa
 from .mimo import Mimo
 from .mimo_v2_flash import MimoV2Flash
 from .parse import read_config
@@ -65,6 +69,8 @@ FAMILIES = (
     MimoV2Flash(),
     Glm4MoeLite(),
     Qwen3_5(),
+    DeepseekV32(),
+    GlmMoeDsa(),
 )
 BY_MODEL_TYPE = {mt: f for f in FAMILIES for mt in f.model_types}
 BY_LAYOUT = {f.name: f for f in FAMILIES}

@@ -182,8 +182,13 @@ def parse_quantization(qc) -> Optional[WeightQuant]:
             isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
         raise ConfigError(f"quantization_config.weight_block_size={block!r} must be two "
                           "positive integers (per-tensor fp8 is not supported)")
+    # DeepSeek-V3.1 / V3.2 publish scale_fmt "ue8m0": power-of-two scales, stored as the
+    # same f32 weight_scale_inv tensors
+    if qc.get("scale_fmt") not in (None, "ue8m0"):
+        raise ConfigError(f"quantization_config.scale_fmt={qc['scale_fmt']!r} is not "
+                          "supported (ue8m0)")
     unknown = sorted(set(qc) - {"quant_method", "fmt", "weight_block_size",
-                                "activation_scheme", "modules_to_not_convert"})
+                                "activation_scheme", "modules_to_not_convert", "scale_fmt"})
     if unknown:
         raise ConfigError(f"quantization_config fields not understood: {unknown}")
     return WeightQuant(block=tuple(block), fmt=fmt)
