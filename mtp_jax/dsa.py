@@ -10,7 +10,7 @@ query, only to the `index_topk` cached tokens its indexer scores highest:
 
 RoPE rotates the first qk_rope_head_dim dims of index queries and keys with the layer's
 frequencies, rotate-half; GLM-5 publishes interleaved pairs, which the loader permutes to
-halves (`indexer_entries`, as MLA's rope dims), leaving every score unchanged. A query that
+halves (`models.tensors.indexer_entries`, as MLA's rope dims), leaving every score unchanged. A query that
 sees at most `index_topk` tokens attends to all of them (the dense path); where that holds
 for every row a program can run, the selection is skipped statically.
 
@@ -33,9 +33,12 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
+from pallas_kernels import dsa as dsa_kernel
+from pallas_kernels.common import resolve_backend
+
+from .config import ConfigError
 from .layers import _param, apply_rope, rope_inv_freq
 
 
@@ -142,7 +145,6 @@ def paged_topk(index: IndexQuery, k_pages, block_table, kv_lens, *, backend=None
     pages k_pages [num_pages, page_size, di] (fp8 with per-token k_scale [num_pages,
     page_size]); row t of request b sits at position kv_lens[b] - T + t and sees
     positions <= it."""
-    from pallas_kernels import dsa as dsa_kernel
     return dsa_kernel.indexer_topk(index.q, index.w, k_pages, block_table, kv_lens,
                                    topk=index.topk, k_scale=k_scale, backend=backend)
 
@@ -152,7 +154,6 @@ def paged_sparse_mla(q, kv_pages, block_table, indices, *, v_dim, sm_scale, back
     """MLA over the latent pages kv_pages [num_pages, page_size, D] (fp8 with the row's
     (latent, rope) kv_scale [2]), each query attending only to its `indices` [B, T, topk]
     (-1: none)."""
-    from pallas_kernels import dsa as dsa_kernel
     return dsa_kernel.sparse_mla(q, kv_pages, block_table, indices, v_dim=v_dim,
                                  sm_scale=sm_scale, kv_scale=kv_scale, backend=backend)
 
@@ -163,11 +164,6 @@ def check_kernels(layout, eng, cfg) -> None:
     and a kernel's ValueError naming the dimension becomes the error. Nothing to check for
     the reference backend, nor where every row attends densely (index_topk covers the
     table)."""
-    from pallas_kernels import dsa as dsa_kernel
-    from pallas_kernels.common import resolve_backend
-
-    from .config import ConfigError
-
     backend = resolve_backend(eng.attention_backend, dsa_kernel.BACKEND_ENV_VAR, "DSA")
     d, m = cfg.dsa, cfg.mla
     if backend == "reference" or d.index_topk >= layout.width * layout.page_size:
@@ -210,46 +206,5 @@ def index_dim(cfg, layer: int) -> int:
     return d.index_head_dim
 
 
-def indexer_entries(att, d: int, path: tuple, a: str) -> list:
-    """The indexer's tensors under `a` (`...self_attn.indexer.`): wq_b [Hi * di, c], wk
-    [di, d], k_norm.{weight, bias} [di], weights_proj [Hi, d]. With interleaved RoPE (GLM-5)
-    the first qk_rope dims of every index query head and of the key (before its norm, so
-    the norm's weight and bias too) are permuted to halves, as `tensors.mla_entries` does
-    for MLA's rope dims."""
-    from .models.tensors import Entry, _rope_order, _t, linear
-
-    dsa, m = att.indexer, att.mla
-    h, i, c, e = dsa.index_n_heads, dsa.index_head_dim, m.q_lora_rank, m.qk_rope_dim
-    order = np.concatenate([_rope_order(e, dsa.rope_interleave), np.arange(e, i)])
-    inverse = np.argsort(order)
-
-    def wq_join(arrs):  # [h * i, c] -> [c, h, i]
-        w = np.asarray(arrs[0]).reshape(h, i, c)[:, order]
-        return np.ascontiguousarray(w.transpose(2, 0, 1))
-
-    def wq_split(w):
-        w = np.asarray(w).transpose(1, 2, 0)[:, inverse]
-        return [np.ascontiguousarray(w.reshape(h * i, c))]
-
-    def rows(name, shape, transpose):
-        def join(arrs):
-            w = np.asarray(arrs[0])[order]
-            return _t(w) if transpose else np.ascontiguousarray(w)
-
-        def split(w):
-            w = _t(w) if transpose else np.asarray(w)
-            return [np.ascontiguousarray(w[inverse])]
-        return name, shape, join, split
-
-    es = [Entry(path + ("wq_b",), (a + "wq_b.weight",), ((h * i, c),), wq_join, wq_split)]
-    for key, (name, shape, join, split) in (
-            (("wk",), rows(a + "wk.weight", (i, d), True)),
-            (("k_norm", "weight"), rows(a + "k_norm.weight", (i,), False)),
-            (("k_norm", "bias"), rows(a + "k_norm.bias", (i,), False))):
-        es.append(Entry(path + key, (name,), (shape,), join, split))
-    es.append(linear(path + ("weights_proj",), a + "weights_proj.weight", h, d))
-    return es
-
-
 __all__ = ["IndexQuery", "Indexer", "LayerNorm", "index_scores", "dense_selection",
-           "paged_topk", "paged_sparse_mla", "check_kernels", "index_dim", "indexer_entries"]
+           "paged_topk", "paged_sparse_mla", "check_kernels", "index_dim"]

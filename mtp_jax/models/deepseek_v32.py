@@ -17,10 +17,10 @@ bias}` (a LayerNorm). `DSAFamily` is the part GLM-5 (glm_moe_dsa.py) shares.
 from __future__ import annotations
 
 from ..config import ConfigError, DSAConfig
-from ..dsa import indexer_entries
 from .deepseek_v3 import DeepseekV3
 from .fields import exact_list
 from .glm4_moe_lite import Glm4MoeLite
+from .tensors import indexer_entries
 
 # config.json keys of the indexer, read here (the generic parser never sees them)
 DSA_KEYS = ("index_n_heads", "index_head_dim", "index_topk", "indexer_rope_interleave",

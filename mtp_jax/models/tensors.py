@@ -351,3 +351,42 @@ def qwen_moe_entries(moe, d: int, path: tuple, prefix: str, *, stacked: bool) ->
                         ((1, d),), lambda arrs: np.asarray(arrs[0]).reshape(d),
                         lambda p: [np.asarray(p).reshape(1, d)]))
     return es
+
+
+def indexer_entries(att, d: int, path: tuple, a: str) -> list:
+    """The indexer's tensors under `a` (`...self_attn.indexer.`): wq_b [Hi * di, c], wk
+    [di, d], k_norm.{weight, bias} [di], weights_proj [Hi, d]. With interleaved RoPE (GLM-5)
+    the first qk_rope dims of every index query head and of the key (before its norm, so
+    the norm's weight and bias too) are permuted to halves, as `tensors.mla_entries` does
+    for MLA's rope dims."""
+    dsa, m = att.indexer, att.mla
+    h, i, c, e = dsa.index_n_heads, dsa.index_head_dim, m.q_lora_rank, m.qk_rope_dim
+    order = np.concatenate([_rope_order(e, dsa.rope_interleave), np.arange(e, i)])
+    inverse = np.argsort(order)
+
+    def wq_join(arrs):  # [h * i, c] -> [c, h, i]
+        w = np.asarray(arrs[0]).reshape(h, i, c)[:, order]
+        return np.ascontiguousarray(w.transpose(2, 0, 1))
+
+    def wq_split(w):
+        w = np.asarray(w).transpose(1, 2, 0)[:, inverse]
+        return [np.ascontiguousarray(w.reshape(h * i, c))]
+
+    def rows(name, shape, transpose):
+        def join(arrs):
+            w = np.asarray(arrs[0])[order]
+            return _t(w) if transpose else np.ascontiguousarray(w)
+
+        def split(w):
+            w = _t(w) if transpose else np.asarray(w)
+            return [np.ascontiguousarray(w[inverse])]
+        return name, shape, join, split
+
+    es = [Entry(path + ("wq_b",), (a + "wq_b.weight",), ((h * i, c),), wq_join, wq_split)]
+    for key, (name, shape, join, split) in (
+            (("wk",), rows(a + "wk.weight", (i, d), True)),
+            (("k_norm", "weight"), rows(a + "k_norm.weight", (i,), False)),
+            (("k_norm", "bias"), rows(a + "k_norm.bias", (i,), False))):
+        es.append(Entry(path + key, (name,), (shape,), join, split))
+    es.append(linear(path + ("weights_proj",), a + "weights_proj.weight", h, d))
+    return es
