@@ -79,6 +79,7 @@ class Runner:
         self.state = self.init_state()
         self.warm = False
         self.warm_variants: set = set()  # step-program variants warmed (sampled or not)
+        self.executed: set = set()  # (kind, sampled) step programs that have run once
         self._all_allowed: dict = {}  # rows -> all-true first-token mask (`all_allowed`)
 
     # ------------------------------------------------------------ prefill plan
@@ -180,9 +181,20 @@ class Runner:
         # first execution costs several later ones on CPU, which would also mislead the
         # adaptive controller's first timings.
         self.admit([dummy_row], padding)
+        # Adaptive K: only the end kinds (0 and K) run here, for the cost prior; the kinds
+        # between are loaded (or compiled) and run first when the controller picks one
+        # (that dispatch goes untimed), so a short job does not pay for kinds it never uses.
+        ends = {0, self.static.k}
         for kind in self.static.kinds:
             for sampled in variants:
-                self.state = self.progs.steps(kind, sampled)(p, self.state, jnp.int32(1))
+                if timed and kind not in ends:
+                    out = prepare(self.progs.steps(kind, sampled), p, self.state, jnp.int32(1))
+                    if out is None:
+                        continue
+                    self.state = out
+                else:
+                    self.state = self.progs.steps(kind, sampled)(p, self.state, jnp.int32(1))
+                self.executed.add((kind, sampled))
         prior = self.time_kinds(sampled=variants[-1]) if timed else None
         b, w = self.config.max_batch, self.layout.width  # the page-growth program, a no-op
         self.grow(np.zeros((b,), bool), np.zeros((b, w), np.int32), np.zeros((b,), np.int32),
@@ -193,20 +205,23 @@ class Runner:
         self.warm_variants = set(variants)
         return prior
 
-    def time_kinds(self, reps: int = 2, sampled: bool = True) -> Optional[list]:
-        """Seconds of one step of each kind on the warmup's dummy slot (least of `reps`);
-        None if the dummy ran out of budget (a tiny max_model_len) and a step did nothing."""
-        best = [float("inf")] * len(self.static.kinds)
+    def time_kinds(self, reps: int = 1, sampled: bool = True) -> Optional[list]:
+        """Seconds of one step of each kind on the warmup's dummy slot: kinds 0 and K timed
+        (least of `reps`), the kinds between interpolated (each verified draft adds about
+        the same; docs/DECISIONS.md, "Adaptive speculation"); None if the dummy ran out of
+        budget (a tiny max_model_len) and a step did nothing."""
+        k = self.static.k
+        ends = {}
         for _ in range(reps):
-            for i, kind in enumerate(self.static.kinds):
+            for kind in (0, k):
                 before = int(self.state.num_generated[0])  # also waits for the state
                 t0 = time.perf_counter()
                 self.state = jax.block_until_ready(self.progs.steps(kind, sampled)(
                     self.model.params, self.state, jnp.int32(1)))
-                best[i] = min(best[i], time.perf_counter() - t0)
+                ends[kind] = min(ends.get(kind, float("inf")), time.perf_counter() - t0)
                 if int(self.state.num_generated[0]) == before:
                     return None
-        return best
+        return [ends[0] + (ends[k] - ends[0]) * i / k for i in range(k + 1)]
 
     def cache_sizes(self) -> dict:
         """Compiled-program cache sizes (for checking that nothing recompiles)."""
