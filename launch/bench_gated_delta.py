@@ -46,6 +46,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_paged_attention import copy_bandwidth  # noqa: E402
+
 from pallas_kernels.gated_delta import (  # noqa: E402
     RECURRENT_MAX_T, gated_delta, gated_delta_chunked_reference, gated_delta_reference)
 
@@ -71,41 +74,6 @@ SMALL_PREFILL_T = 128
 
 def log(*a):
   print(*a, flush=True)
-
-
-def copy_bandwidth(reps=10, nbytes=COPY_BYTES):
-  """Read+write bandwidth of a device copy: {method: bytes/s}."""
-  out = {}
-  try:
-    import torch  # lazy: only for this figure
-    src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-      a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-      a.record()
-      dst.copy_(src)
-      b.record()
-      b.synchronize()
-      times.append(a.elapsed_time(b) / 1e3)
-    out["torch dst.copy_(src)"] = 2 * nbytes / min(times)
-    del src, dst
-    torch.cuda.empty_cache()
-  except Exception as e:  # no torch / no CUDA torch: the XLA figure stands alone
-    log(f"torch copy unavailable: {type(e).__name__}: {e}")
-  x = jnp.ones((nbytes // 2,), jnp.bfloat16)
-  f = jax.jit(lambda x: x + 1)
-  f(x).block_until_ready()
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    f(x).block_until_ready()
-    times.append(time.perf_counter() - t)
-  out["XLA x + 1"] = 2 * nbytes / min(times)
-  del x
-  return out
 
 
 def make_inputs(model, batch, seq, key):
