@@ -92,7 +92,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.common import FP8_DTYPE, check_positive_ints, next_pow2, resolve_backend
-from pallas_kernels.paged_mla import scale_queries
+from pallas_kernels.paged_mla import check_latent_inputs, scale_queries
 
 BACKEND_ENV_VAR = "MTP_JAX_DSA_BACKEND"
 TOPK_METHODS = ("radix", "radix_xla", "lax")
@@ -149,43 +149,13 @@ def _check_topk(topk):
 
 
 def _check_sparse_inputs(q, kv_pages, block_table, indices, v_dim, sm_scale, kv_scale):
-  if q.ndim != 4:
-    raise ValueError(f"q must be [B, T, H, Dk], got shape {q.shape}.")
-  batch, q_len, _, head_dim = q.shape
-  if kv_pages.ndim != 3:
-    raise ValueError(f"kv_pages must be [num_pages, page_size, Dk], got shape "
-                     f"{kv_pages.shape}.")
-  if kv_pages.shape[2] != head_dim:
-    raise ValueError(f"q's last dim (Dk = latent + rope) is {head_dim} but kv_pages' is "
-                     f"{kv_pages.shape[2]}.")
-  if not _is_int(v_dim) or not 0 < v_dim <= head_dim:
-    raise ValueError(f"v_dim (kv_lora_rank) must be an int in [1, Dk={head_dim}], got "
-                     f"{v_dim!r}.")
-  if kv_pages.dtype == FP8_DTYPE:
-    if q.dtype not in (jnp.bfloat16, jnp.float32):
-      raise ValueError(f"float8_e4m3fn pages need a bfloat16 or float32 q (the compute "
-                       f"dtype), got {q.dtype}.")
-  elif q.dtype != kv_pages.dtype:
-    raise ValueError(f"q and kv_pages dtypes differ: {q.dtype} and {kv_pages.dtype} (they "
-                     "must match, or the pages be float8_e4m3fn).")
-  if block_table.ndim != 2 or block_table.shape[0] != batch:
-    raise ValueError(f"block_table must be [B={batch}, W], got {block_table.shape}.")
+  check_latent_inputs(q, kv_pages, block_table, v_dim, sm_scale, kv_scale)
+  batch, q_len = q.shape[:2]
   if indices.ndim != 3 or indices.shape[:2] != (batch, q_len) or indices.shape[2] < 1:
     raise ValueError(f"indices must be [B={batch}, T={q_len}, topk >= 1], got "
                      f"{indices.shape}.")
-  if block_table.dtype != jnp.int32 or indices.dtype != jnp.int32:
-    raise ValueError("block_table and indices must be int32, got "
-                     f"{block_table.dtype} and {indices.dtype}.")
-  if (not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool)
-      or not math.isfinite(sm_scale) or sm_scale <= 0):
-    raise ValueError(f"sm_scale must be a positive finite Python number, got {sm_scale!r}.")
-  if kv_scale is not None:
-    shape = getattr(kv_scale, "shape", type(kv_scale).__name__)
-    if shape != (2,):
-      raise ValueError("kv_scale must be [2] (the latent part's and the rope part's scale) "
-                       f"or None, got shape {shape}.")
-    if not jnp.issubdtype(kv_scale.dtype, jnp.floating):
-      raise ValueError(f"kv_scale must be a float array, got {kv_scale.dtype}.")
+  if indices.dtype != jnp.int32:
+    raise ValueError(f"indices must be int32, got {indices.dtype}.")
 
 
 # ----------------------------------------------------------------------- references

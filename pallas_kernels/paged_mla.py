@@ -160,7 +160,9 @@ def _resolve_backend(backend):
   return resolve_backend(backend, BACKEND_ENV_VAR, "paged-MLA")
 
 
-def _check_inputs(q, kv_pages, block_tables, kv_lens, v_dim, sm_scale, kv_scale=None):
+def check_latent_inputs(q, kv_pages, block_tables, v_dim, sm_scale, kv_scale=None):
+  """The checks paged MLA and sparse MLA (dsa.py) share: q [B, Q, H, Dk] against the
+  latent pages, v_dim, the dtypes, the block table, sm_scale and the fp8 scales."""
   if q.ndim != 4:
     raise ValueError(f"q must be [B, Q, H, Dk], got shape {q.shape}.")
   batch, _, _, head_dim = q.shape
@@ -183,11 +185,8 @@ def _check_inputs(q, kv_pages, block_tables, kv_lens, v_dim, sm_scale, kv_scale=
                      "must match, or the pages be float8_e4m3fn).")
   if block_tables.ndim != 2 or block_tables.shape[0] != batch:
     raise ValueError(f"block_tables must be [B={batch}, max_pages], got {block_tables.shape}.")
-  if kv_lens.shape != (batch,):
-    raise ValueError(f"kv_lens must be [B={batch}], got {kv_lens.shape}.")
-  if block_tables.dtype != jnp.int32 or kv_lens.dtype != jnp.int32:
-    raise ValueError("block_tables and kv_lens must be int32, got "
-                     f"{block_tables.dtype} and {kv_lens.dtype}.")
+  if block_tables.dtype != jnp.int32:
+    raise ValueError(f"block_tables must be int32, got {block_tables.dtype}.")
   if (not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool)
       or not math.isfinite(sm_scale) or sm_scale <= 0):
     raise ValueError(f"sm_scale must be a positive finite Python number, got {sm_scale!r}.")
@@ -198,6 +197,15 @@ def _check_inputs(q, kv_pages, block_tables, kv_lens, v_dim, sm_scale, kv_scale=
                        f"or None, got shape {shape}.")
     if not jnp.issubdtype(kv_scale.dtype, jnp.floating):
       raise ValueError(f"kv_scale must be a float array, got {kv_scale.dtype}.")
+
+
+def _check_inputs(q, kv_pages, block_tables, kv_lens, v_dim, sm_scale, kv_scale=None):
+  check_latent_inputs(q, kv_pages, block_tables, v_dim, sm_scale, kv_scale)
+  batch = q.shape[0]
+  if kv_lens.shape != (batch,):
+    raise ValueError(f"kv_lens must be [B={batch}], got {kv_lens.shape}.")
+  if kv_lens.dtype != jnp.int32:
+    raise ValueError(f"kv_lens must be int32, got {kv_lens.dtype}.")
 
 
 def scale_queries(q, kv_scale, v_dim):
