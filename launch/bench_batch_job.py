@@ -5,7 +5,7 @@
       [--shape mimo-7b]
       [--prefill-chunk 256] [--prefill-batch 1,8] [--max-tokens 4096] [--kv-pages N]
       [--pages on-demand,reserve] [--job-programs] [--profile] [--reps 2] [--tiny]
-      [--draft-head none,int8]
+      [--draft-head none,int8] [--shared-prefix 768] [--prefix-cache off,on] [--model DIR]
 
 The 7-8B shape of launch/bench_decode.py with its oracle weights (every draft agrees),
 `requests` random prompts of `prompt-len` tokens and `new-tokens` new tokens each, one
@@ -34,6 +34,12 @@ that ends it after about `new-tokens` (the oracle's token `new-tokens` steps aft
 prompt, so it stops there unless that token comes up earlier). With `--kv-pages N` (a pool
 smaller than every slot's max_model_len), `--pages on-demand,reserve` compares the
 engine's pages on demand with the rule of reserving prompt + max_tokens + K at admission.
+`--shared-prefix N` makes the first N tokens of every prompt the same (a system prompt or a
+few-shot header; the rest stays random), and `--prefix-cache on,off` runs each
+configuration with and without prefix caching (every rep starts with an empty cache, so
+only what the job itself shares is reused); a run with the cache reports its cached
+prompt tokens, its peak pages (shared pages once, and counted per request) and its
+admission and wall time over the same configuration's run without it.
 With $OUT set, writes bench_batch_job.json there, each run's tokens as a sha256 digest
 (`tokens_sha256`) that runs of other processes compare with.
 """
@@ -62,7 +68,7 @@ from bench_decode import SHAPES, TINY, oracle_model, oracle_perm  # noqa: E402
 import profile_trace  # noqa: E402
 
 from mtp_jax.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig  # noqa: E402
-from mtp_jax.checkpoint import with_draft_head  # noqa: E402
+from mtp_jax.checkpoint import load, with_draft_head  # noqa: E402
 from mtp_jax.engine import Engine, Request  # noqa: E402
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core FLOP/s (SXM)
@@ -167,31 +173,39 @@ def requests(cfg: ModelConfig, args, prompts) -> list:
     return out
 
 
-def job_chunks(eng: Engine, prompt_len: int) -> set:
+def job_chunks(eng: Engine, prompt_len: int, shared: int = 0) -> set:
     """The prefill chunk lengths a job of prompt_len-token prompts runs (target and MTP
-    history chunks, any row count): the engine's own chunk plan."""
-    return {c for r in eng.row_buckets() for end in (prompt_len, prompt_len - 1 - eng.spec.k)
-            for c, _, _ in eng.chunks(np.full((r,), end, np.int32))}
+    history chunks, any row count, from position 0 and, with a prefix cache, from the end
+    of the blocks a `shared`-token prefix gives: those below both the history end and
+    shared - K, prefix_cache.py): the engine's own chunk plan."""
+    k, ps = eng.spec.k, eng.config.page_size
+    starts = {0}
+    if eng.sched.cache is not None and shared:
+        starts.add(max(0, min(prompt_len - 1 - k, shared - k)) // ps * ps)
+    return {c for r in eng.row_buckets() for end in (prompt_len, prompt_len - 1 - k)
+            for start in starts for c, _, _ in eng.chunks(np.full((r,), end, np.int32),
+                                                         np.full((r,), start, np.int32))}
 
 
-def run_job(model, method, k, rows, rule, args, prompts):
+def run_job(model, method, k, rows, rule, args, prompts, cache: bool = True):
     cfg = model.config
     eng_cfg = EngineConfig(max_batch=args.max_batch,
                            max_model_len=args.prompt_len + (args.max_tokens or max(
                                new_tokens(args))) + 8, num_pages=args.kv_pages,
                            prefill_chunk=args.prefill_chunk, prefill_batch=rows,
-                           step_gemms=args.step_gemms)
+                           step_gemms=args.step_gemms, prefix_cache=cache)
     t0 = time.perf_counter()
     kind = ReservingEngine if rule == "reserve" else TimedEngine
     eng = kind(model, SpecConfig(method, num_speculative_tokens=k), eng_cfg)
     if args.job_programs:
-        eng.job_chunks = job_chunks(eng, args.prompt_len)
+        eng.job_chunks = job_chunks(eng, args.prompt_len, args.shared_prefix)
     eng.warmup()
     compile_s = time.perf_counter() - t0
     reqs = requests(cfg, args, prompts)
     best = None
     for _ in range(args.reps):
         eng.reset_control()
+        eng.clear_prefix_cache()
         eng.stats.clear()
         t0 = time.perf_counter()
         res = eng.generate(reqs)
@@ -205,6 +219,10 @@ def run_job(model, method, k, rows, rule, args, prompts):
                 "prefill_batch": eng.config.prefill_batch,
                 "prefill_chunk": eng.config.prefill_chunk,
                 "pages": rule, "preemptions": st.get("preemptions", 0),
+                "prefix_cache": cache,
+                "cached_prompt_tokens": sum(r.num_cached_prompt_tokens for r in res),
+                "peak_pages": st.get("peak_pages", 0),
+                "peak_pages_per_request": st.get("peak_pages_per_request", 0),
                 "finish_reasons": sorted(collections.Counter(
                     r.finish_reason for r in res).items()),
                 "compile_s": compile_s, "wall_s": wall,
@@ -278,31 +296,47 @@ def main(argv=None):
     ap.add_argument("--draft-head", default="none",
                     help="comma list of the speculative methods' draft-head copies: none, or "
                          "a quantization mode (mtp_jax.with_draft_head)")
+    ap.add_argument("--shared-prefix", type=int, default=0,
+                    help="tokens every prompt starts with (the same in all)")
+    ap.add_argument("--prefix-cache", default="on",
+                    help="comma list: on (the engine's default), off")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke run)")
+    ap.add_argument("--model", help="a checkpoint folder (e.g. checkpoints/) instead of the "
+                    "shape's oracle weights: its own drafts, random prompts of its vocabulary")
     args = ap.parse_args(argv)
+    if args.model and args.max_tokens is not None:
+        ap.error("--max-tokens stops on the oracle's tokens: not with --model")
+    bad = set(args.prefix_cache.split(",")) - {"on", "off"}
+    if bad or not 0 <= args.shared_prefix <= args.prompt_len:
+        ap.error("--prefix-cache takes on and off; --shared-prefix 0..--prompt-len")
     bad = set(args.pages.split(",")) - {"on-demand", "reserve"}
     if bad:
         ap.error(f"--pages: {sorted(bad)}; choose from on-demand, reserve")
-    cfg = ModelConfig(**(TINY if args.tiny else SHAPES[args.shape]))
     dev = jax.devices()[0]
     peak = next((v for name, v in PEAK_BF16.items() if name in dev.device_kind), None)
     print(f"device {dev.device_kind}, jax {jax.__version__}", flush=True)
-    model = oracle_model(cfg, jnp.dtype(cfg.dtype))
-    prompts = np.random.default_rng(0).integers(
-        0, cfg.vocab_size, (args.requests, args.prompt_len)).tolist()
+    if args.model:
+        model = load(args.model)
+        cfg = model.config
+    else:
+        cfg = ModelConfig(**(TINY if args.tiny else SHAPES[args.shape]))
+        model = oracle_model(cfg, jnp.dtype(cfg.dtype))
+    prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (args.requests, args.prompt_len))
+    prompts[:, : args.shared_prefix] = prompts[0, : args.shared_prefix]
+    prompts = prompts.tolist()
     k = args.k if args.k == "auto" else int(args.k)
     out = os.environ.get("OUT")
     runs, want = [], None
     heads = {}
-    for rows, rule, m, head in itertools.product(
+    for rows, rule, m, head, cache in itertools.product(
             args.prefill_batch.split(","), args.pages.split(","), args.methods.split(","),
-            args.draft_head.split(",")):
+            args.draft_head.split(","), sorted(args.prefix_cache.split(","), key="off".__ne__)):
         if m == "none" and head != args.draft_head.split(",")[0]:
             continue  # no draft: one run
         if m != "none" and head not in heads:
             heads[head] = with_draft_head(model, head)
         r = run_job(model if m == "none" else heads[head], m, 1 if m == "none" else k,
-                    None if rows == "auto" else int(rows), rule, args, prompts)
+                    None if rows == "auto" else int(rows), rule, args, prompts, cache == "on")
         tokens = r.pop("tokens")
         # a digest, so that jobs of separate processes (say, two kernel backends) compare
         r["tokens_sha256"] = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()
@@ -311,7 +345,10 @@ def main(argv=None):
         else:
             r["same_tokens_as_first"] = tokens == want
         runs.append(r)
-        report(r, runs[0], peak)
+        same = ("method", "k", "draft_head", "prefill_batch", "pages")
+        off = [x for x in runs if not x["prefix_cache"]
+               and all(x[n] == r[n] for n in same)]
+        report(r, runs[0], peak, off[0] if off and r["prefix_cache"] else None)
         if out:  # after every run: a later one may not finish in the time given
             with open(os.path.join(out, "bench_batch_job.json"), "w") as f:
                 json.dump({"device": dev.device_kind, "jax": jax.__version__,
@@ -319,8 +356,12 @@ def main(argv=None):
                            "runs": runs}, f, indent=1)
 
 
-def report(r: dict, first: dict, peak) -> None:
+def report(r: dict, first: dict, peak, uncached: Optional[dict] = None) -> None:
+    """Print a run; `uncached`: the same configuration's run without the prefix cache."""
     r["vs_first"] = first["wall_s"] / r["wall_s"]
+    if uncached is not None:
+        r["admit_vs_uncached"] = r["admit_s"] / max(uncached["admit_s"], 1e-9)
+        r["wall_vs_uncached"] = r["wall_s"] / uncached["wall_s"]
     r["prefill_pct_of_peak"] = (100 * r["prefill_flop_per_s"] / peak) if peak else None
     print(f"{r['method']} K={r['k']}"
           + (f" draft head {r['draft_head']}" if r.get("draft_head") else "")
@@ -338,6 +379,11 @@ def report(r: dict, first: dict, peak) -> None:
           + ("" if "same_tokens_as_first" not in r else
              f"; tokens {'==' if r['same_tokens_as_first'] else '!='} the first's")
           + f"; compile {r['compile_s']:.0f} s"
+          + (f"; prefix cache: {r['cached_prompt_tokens']} prompt tokens cached, peak pages "
+             f"{r['peak_pages']} ({r['peak_pages_per_request']} counted per request)"
+             if r["prefix_cache"] else "; no prefix cache")
+          + (f", admission {r['admit_vs_uncached']:.2f}x and wall {r['wall_vs_uncached']:.2f}x"
+             " the run without it" if "admit_vs_uncached" in r else "")
           + (f"; {r['schedule']}" if r["schedule"] else ""), flush=True)
 
 

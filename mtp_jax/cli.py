@@ -240,6 +240,13 @@ def add_prefill_batch_option(p) -> None:
                         "two; default 8 on GPU / TPU, 1 on CPU)")
 
 
+def add_prefix_cache_option(p) -> None:
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="prefill every prompt whole instead of reading the KV of prompt "
+                        "blocks an earlier request with the same first tokens computed "
+                        "(output unchanged either way)")
+
+
 def add_draft_options(p) -> None:
     """--draft-vocab / --draft-vocab-size and --draft-head: what the draft reads; output
     unchanged."""

@@ -764,6 +764,10 @@ class EngineConfig:
     # their conditionals, which read a predicate back to the host (several round trips a
     # step). None: on (step.greedy_steps); False: the full programs only.
     greedy_steps: Optional[bool] = None
+    # share the KV of full prompt blocks between requests whose prompts start with the same
+    # tokens (prefix_cache.py); off by itself where the layout cannot (sliding windows,
+    # linear attention: `Engine.prefix_cache_off` says why)
+    prefix_cache: bool = True
 
     def __post_init__(self):
         if not (self.greedy_steps is None or isinstance(self.greedy_steps, bool)):

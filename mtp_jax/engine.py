@@ -24,7 +24,7 @@ import numpy as np
 from .adaptive import KController
 from .config import EngineConfig, SamplingParams, SpecConfig
 from .programs import Runner, engine_config
-from .requests import Request, Result, error_result, finished
+from .requests import Request, Result, error_result, finished, unrun_result
 from .scheduler import Limits, Scheduler
 from .step import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, greedy_steps
 
@@ -53,19 +53,33 @@ class Engine:
         eng, static = self.config, self.runner.static
         self.sched = Scheduler(self.layout, Limits(
             eng.max_batch, eng.max_model_len, spec.k, model.config.vocab_size,
-            eng.max_stop_ids, model.stop_token_ids, pin_sampled=not static.coupled))
+            eng.max_stop_ids, model.stop_token_ids, pin_sampled=not static.coupled,
+            prefix_cache=eng.prefix_cache))
         self.compile_seconds = 0.0
         self.control = KController(spec.k) if spec.adaptive else None
         self.step_prior = None  # seconds per step of each kind at warmup (adaptive only)
 
     # the runner's and the scheduler's parts, as the engine's own
-    model, state, progs = (_part("runner", n, settable=True) for n in ("model", "state", "progs"))
+    state, progs = (_part("runner", n, settable=True) for n in ("state", "progs"))
     spec, config, mesh, layout, static = (_part("runner", n) for n in (
         "spec", "config", "mesh", "layout", "static"))
     buckets, row_buckets, prefill_programs, chunks = (_part("runner", n) for n in (
         "buckets", "row_buckets", "prefill_programs", "chunks"))  # the prefill plan
     slots, alloc = (_part("sched", n, settable=True) for n in ("slots", "alloc"))
     queue, stats = _part("sched", "queue"), _part("sched", "stats")
+    # why prefix caching is off though configured (None: on, or not asked for)
+    prefix_cache_off = _part("sched", "cache_off")
+
+    @property
+    def model(self):
+        return self.runner.model
+
+    @model.setter
+    def model(self, model) -> None:
+        """Other weights of the same configuration (the compiled programs still apply);
+        the cached prompt blocks were computed with the old ones and are forgotten."""
+        self.runner.model = model
+        self.clear_prefix_cache()
 
     def check(self, req: Request) -> Optional[str]:
         """A clear message if the request can never run, else None."""
@@ -121,30 +135,36 @@ class Engine:
         """The admit row of a padding row: slot max_batch (dropped), nothing written."""
         return self._admission(self.config.max_batch, _DUMMY, self._no_pages, 0)
 
-    def _admission(self, slot: int, req: Request, pages: list, limit: Optional[int] = None
-                   ) -> tuple:
-        """The host arrays that admit `req` into `slot` on its reserved pages: one row of
-        its prefill batch's admit call. `limit`: KV positions it may write (default: its
-        reservation)."""
+    def _admission(self, slot: int, req: Request, pages: list, limit: Optional[int] = None,
+                   shared: int = 0) -> tuple:
+        """The host arrays that admit `req` into `slot` on its reserved pages (the first
+        `shared` of them cached blocks): one row of its prefill batch's admit call.
+        `limit`: KV positions it may write (default: its reservation)."""
         sched = self.sched
         tokens = sched.admit_tokens(req) if limit is None else limit
         return self.runner.admission(slot, req, pages, tokens, sched.budget(req),
-                                     sched.stop_ids(req))
+                                     sched.stop_ids(req), shared)
 
     def _fill_slots(self, out: list) -> None:
         """Admit queued requests into free slots, in order, prefilling up to
-        `prefill_batch` of them together."""
+        `prefill_batch` of them together. A request whose prompt starts with blocks that
+        an admission of the batch will prefill waits for that prefill (the batch runs
+        first), so a shared prefix is computed once."""
         batch = []  # scheduler.Admitted
         for slot in range(self.config.max_batch):
             if self.slots[slot] is not None:
                 continue
+            if batch and self.sched.head_waits():
+                self._prefill_batch(batch, out)
+                batch = []
             refused = []
             item = self.sched.take(slot, refused)
             out += [error_result(req, why) for req, why in refused]
             if item is None:
                 break  # the queue is empty, or its head waits for pages (keep the order)
             try:
-                item = item._replace(row=self._admission(slot, item.req, item.pages))
+                item = item._replace(row=self._admission(
+                    slot, item.req, item.pages, shared=item.cached // self.layout.page_size))
             except Exception as e:  # never lose the batch or leak the reservation
                 self._refuse([item], e, out)
                 continue
@@ -159,30 +179,30 @@ class Engine:
         """Prefill the admitted `batch` in one row-padded batch; the slots start running."""
         r = 1 << (len(batch) - 1).bit_length()
         slots = np.full((r,), self.config.max_batch, np.int32)
-        prompt_len = np.zeros((r,), np.int32)
+        prompt_len, cached = np.zeros((r,), np.int32), np.zeros((r,), np.int32)
         allowed = [None] * r  # the first token's ids of a healed prompt (healing.py)
         for i, a in enumerate(batch):
-            slots[i], prompt_len[i] = a.slot, len(a.req.prompt_ids)
+            slots[i], prompt_len[i], cached[i] = a.slot, len(a.req.prompt_ids), a.cached
             heal = a.req.healing
             if heal is not None and a.origin is None:  # a continued one's first is out
                 allowed[i] = heal.allowed
         try:
             self.runner.admit([a.row for a in batch], self._padding)
             self._prefill(slots, prompt_len, self.runner.sampled_variant(a.req for a in batch),
-                          allowed)
+                          allowed, cached)
         except Exception as e:
             self._refuse(batch, e, out)
             return
         self.sched.start(batch)
 
     def _prefill(self, slots: np.ndarray, prompt_len: np.ndarray, sampled: bool = True,
-                 allowed: Optional[list] = None):
-        self.runner.prefill(slots, prompt_len, sampled, allowed)
+                 allowed: Optional[list] = None, cached: Optional[np.ndarray] = None):
+        self.runner.prefill(slots, prompt_len, sampled, allowed, cached)
 
     def _refuse(self, batch: list, e: Exception, out: list) -> None:
         """Free what failed admissions hold; each request gets an error result."""
         for a in batch:
-            self.alloc.release(a.pages)
+            self.sched.drop(a)
             out.append(error_result(a.origin.req if a.origin else a.req,
                                    f"could not admit: {type(e).__name__}: {e}"))
         self.runner.release(self.runner.mask([a.slot for a in batch]))
@@ -192,10 +212,19 @@ class Engine:
         live = self.sched.abort()
         if any(x.is_deleted() for x in jax.tree_util.tree_leaves(self.state)):
             # Interrupted between a donating dispatch and the assignment of its result:
-            # the state's buffers are gone, so start from a fresh one (every slot is free).
+            # the state's buffers are gone, so start from a fresh one (every slot is free)
+            # whose pages hold nothing a cached block could be read from.
             self.state = self.runner.init_state()
+            self.sched.clear_cache()
         elif live:
             self.runner.release(self.runner.mask(live))
+
+    def clear_prefix_cache(self) -> None:
+        """Forget the prompt blocks cached by earlier jobs (between the runs of a
+        benchmark, whose later runs would otherwise read every prompt from the cache)."""
+        if self.sched.running():
+            raise RuntimeError("clear_prefix_cache() while requests run")
+        self.sched.clear_cache()
 
     # -------------------------------------------------------------- collection
     def _collect(self) -> list:
@@ -204,16 +233,18 @@ class Engine:
             (st.finish, st.num_generated, st.steps, st.accepted, st.drafted))
         self._ready = time.perf_counter()  # the dispatch's steps are done
         self._delta = self.sched.observe(steps, acc, tried, ngen)
+        results = []
+        finish, unrun = self._poisoned(np.array(finish), results)
         # finished slots, and running ones whose stop strings the host must look for
         look = [i for i, x in enumerate(self.slots)
                 if x is not None and (int(finish[i]) in _REASONS or x.stop_strings)]
         out_tokens = np.asarray(fetch(st.out_tokens)) if look else None
         done = np.zeros((self.config.max_batch,), bool)
-        results = []
         for i in look:
-            res = finished(self.slots[i], self.spec.k, out_tokens[i, : ngen[i]].tolist(),
-                           _REASONS.get(int(finish[i])), steps[i], acc[i], tried[i],
-                           self.model.tokenizer)
+            n = 0 if i in unrun else ngen[i]
+            res = finished(self.slots[i], self.spec.k, out_tokens[i, :n].tolist(),
+                           _REASONS.get(int(finish[i])), steps[i] if n else 0,
+                           acc[i] * bool(n), tried[i] * bool(n), self.model.tokenizer)
             if res is not None:
                 results.append(res)
                 done[i] = True
@@ -221,6 +252,25 @@ class Engine:
         if done.any():
             self.runner.release(done)
         return results
+
+    def _poisoned(self, finish: np.ndarray, results: list) -> tuple:
+        """(`finish`, slots to end unrun): the requests that read a cached block whose
+        prompt met non-finite values end as errors with no tokens from that admission, as
+        they would without the cache (computing the same prefix themselves); those waiting
+        to continue after a preemption get their error result in `results`."""
+        errors = [i for i, x in enumerate(self.slots)
+                  if x is not None and finish[i] == FINISH_ERROR]
+        unrun = set()
+        if not errors or self.sched.cache is None:
+            return finish, unrun
+        bad_from = self.runner.fetch(self.state.bad_from)
+        for i in errors:
+            slots, waiting = self.sched.poison(i, int(bad_from[i]))
+            for j in slots:
+                finish[j] = FINISH_ERROR
+                unrun.add(j)
+            results += [unrun_result(before, self.spec.k) for before in waiting]
+        return finish, unrun
 
     # --------------------------------------------------------------------- API
     def stream(self, requests: Iterable[Request]) -> Iterator[Result]:
@@ -232,6 +282,7 @@ class Engine:
             self.queue.append(r)
         if not self.queue:
             return
+        self.sched.group_queue()
         try:
             self.warmup()
             while self.queue or self.sched.running():

@@ -48,7 +48,8 @@ from .compile_cache import add_compile_cache_option
 from .config import (ConfigError, EngineConfig, SamplingParams, SpecConfig,
                      parse_num_speculative_tokens)
 from .cli import (Fatal, LineError, add_draft_options, add_healing_option,
-                  add_prefill_batch_option, add_quantize_option, add_verbose_option,
+                  add_prefill_batch_option, add_prefix_cache_option, add_quantize_option,
+                  add_verbose_option,
                   apply_draft_options, build_request, check_keys, default_model_dir,
                   load_error, read_lines)
 from .healing import Healer, heal_line
@@ -168,6 +169,7 @@ def method_stats(results, reference, wall_s: float, compile_s: float, spec: Spec
             "acceptance_per_depth": [float(a) / t if t else 0.0 for a, t in zip(acc, tried)],
             "tokens_per_s": gen / wall_s if wall_s > 0 else 0.0,
             "wall_s": wall_s, "compile_s": compile_s,
+            "cached_prompt_tokens": sum(r.num_cached_prompt_tokens for r in results),
             "lossless": None if differ is None else not differ, "mismatched_ids": differ}
     if prompts is not None:  # tokens a draft could get by copying: read beside acceptance
         rep = sum(repeated_ngrams(p, r.token_ids) for p, r in zip(prompts, results))
@@ -207,6 +209,7 @@ def run_methods(model, requests, ids, methods, ks, eng_cfg: EngineConfig, greedy
 
     def run(name, engine):
         engine.reset_control()
+        engine.clear_prefix_cache()  # every run shares within its job only
         t0 = time.perf_counter()
         results = engine.generate(requests)
         walls[name].append(time.perf_counter() - t0)
@@ -406,6 +409,7 @@ def parse_args(argv):
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-batch", type=int, default=16)
     add_prefill_batch_option(p)
+    add_prefix_cache_option(p)
     p.add_argument("--dtype", choices=("bfloat16", "float32"),
                    help="parameter / compute dtype (default: float32 on CPU, else the "
                         "checkpoint's)")
@@ -526,7 +530,7 @@ def evaluate(args, log) -> dict:
                          "max_tokens": args.max_tokens, "max_batch": args.max_batch,
                          "max_model_len": max_len, "dataset": args.dataset,
                          "repeat": args.repeat, "weights": mode_of(model.params),
-                         "kv_dtype": args.kv_dtype,
+                         "kv_dtype": args.kv_dtype, "prefix_cache": args.prefix_cache,
                          "draft_vocab_size": cfg.draft_vocab_size or None,
                          "draft_head": cfg.draft_head,
                          "num_prompts": len(prompts),
@@ -544,7 +548,8 @@ def evaluate(args, log) -> dict:
     requests = [Request(i, *p) for i, p in enumerate(prompts)]
     eng_cfg = EngineConfig(max_batch=args.max_batch, max_model_len=max_len,
                            prefill_chunk=min(256, max(16, 1 << (max_len - 1).bit_length())),
-                           kv_dtype=args.kv_dtype, prefill_batch=args.prefill_batch)
+                           kv_dtype=args.kv_dtype, prefill_batch=args.prefill_batch,
+                           prefix_cache=args.prefix_cache)
     greedy = all(sp.temperature == 0 for _, sp, _ in prompts)
     report["methods"] = run_methods(model, requests, ids, args.methods, args.ks, eng_cfg,
                                     greedy, log, args.repeat)

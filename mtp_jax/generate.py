@@ -42,8 +42,8 @@ from . import compile_cache
 from .checkpoint import CheckpointError, load
 from .chat import ChatError, load_chat_template
 from .cli import (GENERATION_FIELDS, INT32_MAX, Fatal, LineError, add_draft_options,
-                  add_healing_option, add_prefill_batch_option, add_quantize_option,
-                  add_verbose_option,
+                  add_healing_option, add_prefill_batch_option, add_prefix_cache_option,
+                  add_quantize_option, add_verbose_option,
                   apply_draft_options, build_request, check_keys, default_model_dir,
                   load_error, read_lines, sampling_defaults)
 from .compile_cache import add_compile_cache_option
@@ -95,6 +95,7 @@ def record(rid, res, has_tokenizer: bool) -> dict:
     rec = {"id": rid, **({"text": res.text} if has_tokenizer else {}),
            "token_ids": res.token_ids, "finish_reason": res.finish_reason,
            "num_prompt_tokens": res.num_prompt_tokens,
+           "num_cached_prompt_tokens": res.num_cached_prompt_tokens,
            "num_generated_tokens": res.num_generated_tokens,
            "mean_accepted_length": round(res.mean_accepted_length, 4),
            "acceptance_per_depth": [round(a, 4) for a in res.acceptance_per_depth]}
@@ -132,6 +133,7 @@ def parse_args(argv):
                    help="stop strings for every line (added to a line's own)")
     p.add_argument("--max-batch", type=int, default=8)
     add_prefill_batch_option(p)
+    add_prefix_cache_option(p)
     p.add_argument("--max-model-len", type=int,
                    help="default: min(2048, the model's max_position_embeddings)")
     p.add_argument("--resume", action="store_true", help="skip ids already in --output")
@@ -269,7 +271,8 @@ def make_engine(args):
                                                      max_model_len=max_len,
                                                      prefill_chunk=chunk,
                                                      kv_dtype=args.kv_dtype,
-                                                     prefill_batch=args.prefill_batch),
+                                                     prefill_batch=args.prefill_batch,
+                                                     prefix_cache=args.prefix_cache),
                                         mesh=mesh)
     except (ConfigError, ValueError) as e:
         raise Fatal(str(e)) from None
@@ -371,7 +374,23 @@ def _stream(engine, requests, ids, emit, has_tokenizer, notes, compile_s,
     if engine.stats["preemptions"]:
         lines.append(f"{engine.stats['preemptions']} preemptions: the KV page pool ran out and "
                      "requests were paused and continued (outputs unchanged)")
+    lines.append(prefix_cache_line(engine))
     return "\n".join(lines), ok
+
+
+def prefix_cache_line(engine) -> str:
+    """The prefix cache's hit rate, the prefill it saved and the pool's peak use (shared
+    pages counted once, against what the running requests would hold without sharing)."""
+    if engine.sched.cache is None:
+        why = engine.prefix_cache_off
+        return "prefix cache: off" + (f" ({why})" if why else "")
+    st = engine.stats
+    total, hit = st["prompt_tokens"], st["cached_tokens"]
+    return (f"prefix cache: {hit} of {total} prompt tokens cached "
+            f"({100 * hit / max(total, 1):.1f} % hit rate), {hit} prefill tokens saved | "
+            f"peak KV pages in use {st['peak_pages']} (shared pages once; "
+            f"{st['peak_pages_per_request']} counted per request), "
+            f"{engine.sched.cache.stats['evicted_blocks']} blocks evicted")
 
 
 def schedule_line(control) -> str:

@@ -65,7 +65,9 @@ class Runner:
         self.layout = make_layout(model.config, eng, k, model.dtype,
                                   mtp_layers=spec.strategy.modules(k), scales=scales)
         check_kernels(self.layout, eng, model.config)
-        self.static = Static(model.config, spec, eng, self.layout, mesh,
+        # prefix caching is host-side only: it must not key the compiled programs
+        self.static = Static(model.config, spec, dataclasses.replace(eng, prefix_cache=True),
+                             self.layout, mesh,
                              weights_quantized=mode_of(model.params) is not None)
         if mesh is None:
             self.progs = programs(self.static, model.graphdef)
@@ -110,11 +112,11 @@ class Runner:
         top = self.buckets()[-1]
         return min(top, max(self.bucket(n), PREFILL_MIN_TOKENS // rows if rows > 1 else 0))
 
-    def chunks(self, end: np.ndarray):
+    def chunks(self, end: np.ndarray, start: Optional[np.ndarray] = None):
         """(chunk length, starts, valid lengths) of each prefill forward over rows whose
-        prompts end at `end` [r], until every row is done: chunk lengths follow the
-        longest remainder."""
-        start = np.zeros_like(end)
+        prompts run from `start` [r] (default 0: a prefix cache hit starts later) to `end`
+        [r], until every row is done: chunk lengths follow the longest remainder."""
+        start = np.zeros_like(end) if start is None else np.minimum(start, end)
         while (start < end).any():
             c = self.chunk(len(end), int((end - start).max()))
             valid = np.clip(end - start, 0, c).astype(np.int32)
@@ -239,9 +241,10 @@ class Runner:
 
     # ------------------------------------------------------- device-side calls
     def admission(self, slot: int, req, pages: list, tokens: int, budget: int,
-                  stop_ids: list) -> tuple:
+                  stop_ids: list, shared: int = 0) -> tuple:
         """The host arrays that admit `req` into `slot` on its reserved pages, writing
-        below `tokens` positions: one row of its prefill batch's admit call."""
+        below `tokens` positions: one row of its prefill batch's admit call. `shared`: its
+        first pages are cached blocks, read only (not zeroed)."""
         s, eng = self.static, self.config
         prompt = np.asarray(req.prompt_ids, np.int32)
         buf = np.zeros((s.scratch_len,), np.int32)
@@ -249,7 +252,7 @@ class Runner:
         stops = np.full((eng.max_stop_ids,), -1, np.int32)
         stops[: len(stop_ids)] = stop_ids
         full = np.zeros((self.layout.width,), np.int32)
-        full[: len(pages[0])] = pages[0]
+        full[: len(pages[0]) - shared] = pages[0][shared:]
         sp = req.sampling
         # typed here, so that a request whose fields do not convert fails alone
         i32, f32 = np.int32, np.float32
@@ -297,21 +300,23 @@ class Runner:
         return jnp.asarray(mask)
 
     def prefill(self, slots: np.ndarray, prompt_len: np.ndarray, sampled: bool = True,
-                allowed: Optional[list] = None) -> None:
+                allowed: Optional[list] = None, cached: Optional[np.ndarray] = None) -> None:
         """Prefill a batch of admitted requests together, a row each (slots [r], padding
         rows max_batch with prompt length 0): the target's chunks, each with the MTP
         history over its positions (`window`: the history's chunks after them), then each
         row's first token and drafts (`sampled` False: every row is greedy; `allowed`: per
-        row None or the ids its first token may take, `first_allowed`)."""
+        row None or the ids its first token may take, `first_allowed`). `cached` [r]: the
+        prompt positions whose target and MTP KV the row's cached blocks hold (below the
+        history end, prefix_cache.py): its chunks start there."""
         s, p = self.static, self.model.params
         st = self.state
         logits = jnp.zeros((len(slots), self.model.config.vocab_size), jnp.float32)
         history_end = (prompt_len - 1 - s.k).astype(np.int32)  # final windows start here
-        for c, start, valid in self.chunks(prompt_len):
+        for c, start, valid in self.chunks(prompt_len, cached):
             st, logits = self.progs.prefill_target(c)(p, st, slots, start, valid, logits,
                                                       history_end)
         if s.history_apart:
-            for c, start, _ in self.chunks(history_end):
+            for c, start, _ in self.chunks(history_end, cached):
                 st = self.progs.prefill_mtp(c)(p, st, slots, start, history_end)
         mask = self.first_allowed(allowed or [None] * len(slots))
         self.state = self.progs.prefill_finish(sampled)(p, st, slots, logits, prompt_len, mask)

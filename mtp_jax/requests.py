@@ -40,6 +40,7 @@ class Result:
     accepted_per_depth: list = dataclasses.field(default_factory=list)  # counts
     drafted_per_depth: list = dataclasses.field(default_factory=list)  # steps verifying one
     healed: Optional[str] = None  # the text of the prompt's last token, when healing re-chose it
+    num_cached_prompt_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def num_generated_tokens(self) -> int:
@@ -60,6 +61,9 @@ class Result:
         """Per depth: accepted drafts over the steps that verified a draft there."""
         return [a / t if t else 0.0 for a, t in zip(self.accepted_per_depth,
                                                      self.verified_per_depth)]
+
+
+NONFINITE = "non-finite (NaN or Inf) logits: the request was stopped"
 
 
 def error_result(req, msg: str) -> Result:
@@ -85,10 +89,11 @@ def finished(live, k: int, tokens: list, reason: Optional[str], steps, accepted,
     elif reason is None:
         return None  # still running, no stop string yet
     if reason == "error":
-        err = "non-finite (NaN or Inf) logits: the request was stopped"
+        err = NONFINITE
     res = Result(before.req.id, toks, reason, len(before.req.prompt_ids) + (heal is not None),
                  text=text, error=err, num_steps=before.steps + int(steps),
                  healed=None if heal is None else heal.text,
+                 num_cached_prompt_tokens=before.cached,
                  accepted_per_depth=[a + int(x) for a, x in zip(before.accepted, accepted)],
                  drafted_per_depth=[a + int(x) for a, x in zip(before.drafted, drafted)])
     if res.text is None and tokenizer is not None:
@@ -113,4 +118,15 @@ def match_stop_string(tokenizer, toks, stops, healing: Optional[Healing] = None)
     return toks, text[:pos]
 
 
-__all__ = ["Request", "Result", "error_result", "finished", "match_stop_string"]
+def unrun_result(before, k: int) -> Result:
+    """The Result of a request continuing after a preemption that is dropped before it
+    runs again, because the cached prompt blocks it had read met non-finite values: the
+    error its prefill would have met without the cache, with no tokens."""
+    n = len(before.req.prompt_ids) + (before.req.healing is not None)
+    return Result(before.req.id, [], "error", n, error=NONFINITE,
+                  accepted_per_depth=[0] * k, drafted_per_depth=[0] * k,
+                  num_cached_prompt_tokens=before.cached)
+
+
+__all__ = ["Request", "Result", "error_result", "finished", "match_stop_string",
+           "unrun_result", "NONFINITE"]

@@ -15,6 +15,12 @@ requests verified by rejection sampling (a fixed K) hold their whole reservation
 admission instead and are never preempted: their tokens depend on the drafts, which a
 continuation would draw anew.
 
+With prefix caching (prefix_cache.py) a request's first pages may be cached blocks of an
+earlier prompt with the same tokens: it holds a reference to them instead of pages of its
+own, and its prefill starts after them. The blocks of its prompt it prefills itself are
+cached for the requests after it. Waiting requests are ordered so that those sharing a
+prefix are admitted together (`group_queue`).
+
 A request is any dataclass with `id`, `prompt_ids` and `sampling` (max_tokens,
 temperature, stop_token_ids), as engine.Request.
 """
@@ -28,6 +34,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from .pages import PageAllocator
+from .prefix_cache import PrefixCache
 
 
 @dataclasses.dataclass
@@ -40,6 +47,8 @@ class Resumed:
     steps: int
     accepted: list
     drafted: list
+    cached: int = 0  # prompt tokens its first admission took from the prefix cache
+    read: tuple = ()  # the cached blocks its earlier admissions read
 
 
 @dataclasses.dataclass
@@ -53,10 +62,12 @@ class Live:
     tokens: int = 0  # KV positions its pages cover
     pinned: bool = False  # holds its whole reservation and is never preempted
     origin: Optional[Resumed] = None  # set for a request preempted before
+    blocks: list = dataclasses.field(default_factory=list)  # cached blocks its first pages are
+    cached: int = 0  # prompt tokens this admission took from the prefix cache
 
     def before(self, k: int) -> Resumed:
         """What the request had done before this admission (nothing, if never preempted)."""
-        return self.origin or Resumed(self.req, [], 0, [0] * k, [0] * k)
+        return self.origin or Resumed(self.req, [], 0, [0] * k, [0] * k, self.cached)
 
 
 class Admitted(NamedTuple):
@@ -68,6 +79,8 @@ class Admitted(NamedTuple):
     tokens: int  # KV positions its pages cover
     origin: Optional[Resumed]  # set for a request preempted before
     row: tuple = ()  # its row of the batch's admit call (host arrays)
+    blocks: tuple = ()  # cached blocks its first pages are: read (ready) or its to prefill
+    cached: int = 0  # prompt tokens whose KV the cache holds: its prefill starts there
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +94,7 @@ class Limits:
     max_stop_ids: int
     eos_token_ids: tuple = ()
     pin_sampled: bool = False  # sampled requests verify by rejection sampling at a fixed K
+    prefix_cache: bool = False  # share the KV of full prompt blocks (prefix_cache.py)
 
 
 class Scheduler:
@@ -89,7 +103,12 @@ class Scheduler:
     def __init__(self, layout, limits: Limits):
         self.layout, self.limits = layout, limits
         b, k = limits.max_batch, limits.k
-        self.alloc = PageAllocator(layout)
+        # why prefix caching is off though asked for (None: on, or not asked for)
+        self.cache_off = PrefixCache.supports(layout) if limits.prefix_cache else None
+        self.cache = PrefixCache(layout, k) if limits.prefix_cache and not self.cache_off \
+            else None
+        self.alloc = PageAllocator(layout, self.cache)
+        self.keys: dict = {}  # id(queued request) -> its blocks' keys
         self.slots: list[Optional[Live]] = [None] * b
         self.queue: collections.deque = collections.deque()
         self.resumed: dict = {}  # id(queued request) -> Resumed, for preempted requests
@@ -170,33 +189,158 @@ class Scheduler:
                 refused.append((req, err))
                 continue
             tokens = self.admit_tokens(req)
-            pages = self.alloc.reserve(tokens)
+            hits = [b for b in self._hits(req) if b.ready]
+            if self.cache:
+                self.cache.acquire(hits)
+            pages = self.alloc.reserve(tokens, [[b.pages[g] for b in hits]
+                                                for g in range(len(self.layout.groups))])
             if pages is None:
+                if self.cache:
+                    self._free_blocks(self.cache.release(hits))
                 return None
             self.queue.popleft()
             self.seen[slot] = 0
             self.generated[slot] = 0
-            return Admitted(slot, req, pages, tokens, self.resumed.pop(id(req), None))
+            blocks = hits + self._register(req, pages, len(hits))
+            cached = len(hits) * self.layout.page_size
+            self.stats["prompt_tokens"] += len(req.prompt_ids)
+            self.stats["cached_tokens"] += cached
+            return Admitted(slot, req, pages, tokens, self.resumed.pop(id(req), None),
+                            blocks=tuple(blocks), cached=cached)
         return None
 
+    # ----------------------------------------------------------- prefix cache
+    def _keys(self, req) -> list:
+        """The keys of the request's prompt blocks (none for a request `check` refuses)."""
+        held = self.keys.get(id(req))
+        if held is None or held[0] is not req:
+            keys = self.cache.keys(req.prompt_ids) if self.check(req) is None else []
+            held = self.keys[id(req)] = (req, keys)
+        return held[1]
+
+    def _hits(self, req) -> list:
+        """The cached blocks the request's prompt starts with (ready or not)."""
+        return self.cache.hits(self._keys(req)) if self.cache else []
+
+    def head_waits(self) -> bool:
+        """Whether the queue's head starts with a block an admission not yet prefilled
+        registered: it waits for that prefill rather than computing the prefix again."""
+        return bool(self.queue) and any(not b.ready for b in self._hits(self.queue[0]))
+
+    def _register(self, req, pages: list, start: int) -> list:
+        """Cache the request's blocks after its `start` hits on the pages it prefills them
+        into (not ready until its prefill ran); the blocks registered."""
+        keys = self._keys(req) if self.cache else []
+        self.keys.pop(id(req), None)
+        out = []
+        for j in range(start, len(keys)):
+            block = self.cache.register(keys[j], tuple(ids[j] for ids in pages))
+            if block is None:  # held already (not reachable from this prompt's hits)
+                break
+            out.append(block)
+        return out
+
+    def drop(self, item: Admitted) -> None:
+        """Free an admission whose prefill did not run: its hits lose a reference, the
+        blocks it registered are forgotten, its other pages go back to the pool."""
+        hits = [b for b in item.blocks if b.ready]
+        if self.cache:
+            self._free_blocks(self.cache.release(hits))
+            self.cache.forget([b for b in item.blocks if not b.ready])
+        self.alloc.release([ids[len(hits):] for ids in item.pages])
+
+    def _free_blocks(self, pages: list) -> None:
+        """Return the pages of blocks (one id per group each) to the pool."""
+        self.alloc.release([[p[g] for p in pages] for g in range(len(self.layout.groups))])
+
+    def poison(self, slot: int, position: int) -> tuple:
+        """The request in `slot` met a non-finite hidden at prompt `position`: its blocks
+        from there on hold unusable KV and leave the cache. The other requests that read
+        any of them would have met the same values computing their prompt: (the running
+        ones' slots, to end with that error; the preempted ones waiting to continue,
+        `Resumed`, taken off the queue)."""
+        if not self.cache:
+            return [], []
+        live = self.slots[slot]
+        ps = self.layout.page_size
+        self.cache.kill([b for j, b in enumerate(live.blocks) if (j + 1) * ps > position])
+        slots = [i for i, x in enumerate(self.slots) if x is not None and i != slot
+                 and any(b.dead for b in x.blocks)]
+        waiting = [r for r in self.queue if id(r) in self.resumed
+                   and any(b.dead for b in self.resumed[id(r)].read)]
+        for r in waiting:
+            self.queue.remove(r)
+        return slots, [self.resumed.pop(id(r)) for r in waiting]
+
+    def group_queue(self) -> None:
+        """Order the waiting requests (not those continuing after a preemption, which stay
+        first) so that those sharing prompt blocks are next to each other: by the first
+        appearance of each of their blocks' keys, as a walk of the prefix tree in arrival
+        order. Outputs do not depend on the order."""
+        if self.cache is None:
+            return
+        resumed = [r for r in self.queue if id(r) in self.resumed]
+        waiting = [r for r in self.queue if id(r) not in self.resumed]
+        first = {}
+        for i, r in enumerate(waiting):
+            for key in self._keys(r):
+                first.setdefault(key, i)
+        order = sorted(range(len(waiting)), key=lambda i: [first[key] for key in self._keys(
+            waiting[i])] or [i])
+        self.queue.clear()
+        self.queue.extend(resumed + [waiting[i] for i in order])
+
+    def reset(self) -> None:
+        """Idle: no queue, free slots, every page in the pool, nothing cached (the KV pages
+        were reset)."""
+        self.queue.clear()
+        self.resumed.clear()
+        self.keys.clear()
+        self.slots = [None] * self.limits.max_batch
+        if self.cache:
+            self.cache = PrefixCache(self.layout, self.limits.k)
+        self.alloc = PageAllocator(self.layout, self.cache)
+
+    def clear_cache(self) -> None:
+        """Forget every cached block (the KV pages were reset); no request may run."""
+        if self.cache:
+            self._free_blocks(self.cache.evict(len(self.cache.idle)))
+            self.cache.blocks.clear()
+
+    def pages_in_use(self) -> int:
+        """Pages of the first group the running requests hold, each shared page counted
+        once (idle cached blocks not counted)."""
+        return self.layout.groups[0].num_pages - 1 - self.alloc.free_pages(0)
+
     def start(self, batch: list) -> None:
-        """The admitted `batch` was prefilled: its slots run (the first token is out)."""
+        """The admitted `batch` was prefilled: its slots run (the first token is out), the
+        blocks it registered can be read."""
         for a in batch:
             self.admissions += 1
+            for block in a.blocks:
+                block.ready = True
             self.slots[a.slot] = Live(a.req, a.pages, tuple(a.req.sampling.stop),
                                       order=self.admissions, tokens=a.tokens,
-                                      origin=a.origin, pinned=self.pinned(a.req))
+                                      origin=a.origin, pinned=self.pinned(a.req),
+                                      blocks=list(a.blocks), cached=a.cached)
             self.generated[a.slot] = 1
+        held = sum(len(x.pages[0]) for x in self.slots if x is not None)
+        self.stats["peak_pages"] = max(self.stats["peak_pages"], self.pages_in_use())
+        self.stats["peak_pages_per_request"] = max(self.stats["peak_pages_per_request"], held)
 
     def finish(self, slot: int) -> None:
-        """Free a slot and its pages."""
-        self.alloc.release(self.slots[slot].pages)
+        """Free a slot and its pages (its cached blocks stay cached, one reader fewer)."""
+        live = self.slots[slot]
+        if self.cache:
+            self._free_blocks(self.cache.release(live.blocks))
+        self.alloc.release([ids[len(live.blocks):] for ids in live.pages])
         self.slots[slot] = None
 
     def abort(self) -> list:
         """Drop the queue and free every slot; the slots that were running."""
         self.queue.clear()
         self.resumed.clear()
+        self.keys.clear()
         live = self.running()
         for i in live:
             self.finish(i)
@@ -278,7 +422,8 @@ class Scheduler:
         new = [int(t) for t in tokens]
         done = Resumed(before.req, before.tokens + new, before.steps + int(steps),
                        [a + int(x) for a, x in zip(before.accepted, accepted)],
-                       [a + int(x) for a, x in zip(before.drafted, drafted)])
+                       [a + int(x) for a, x in zip(before.drafted, drafted)], before.cached,
+                       before.read + tuple(item.blocks))
         sp = item.req.sampling
         again = dataclasses.replace(item.req, prompt_ids=list(item.req.prompt_ids) + new,
                                     sampling=dataclasses.replace(

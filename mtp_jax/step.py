@@ -64,6 +64,8 @@ class DecodeState:
     # request bookkeeping, per slot
     active: jax.Array  # [B] bool   slot holds an admitted request not yet collected
     finish: jax.Array  # [B] int32  FINISH_* (0 while running)
+    bad_from: jax.Array  # [B] int32  first prompt position whose hidden was non-finite
+    #                      (max_model_len if none): the prompt's KV from there on is unusable
     length: jax.Array  # [B] int32  committed tokens L (prompt + generated)
     last_token: jax.Array  # [B] int32  t_{L-1}: first input of the next verify
     num_generated: jax.Array  # [B] int32
@@ -179,7 +181,8 @@ def init_state(st: Static, hidden_dtype) -> DecodeState:
     b, v, d = eng.max_batch, cfg.vocab_size, cfg.hidden_size
     zi = lambda *s: jnp.zeros(s, jnp.int32)  # noqa: E731
     return DecodeState(
-        active=jnp.zeros((b,), bool), finish=zi(b), length=zi(b), last_token=zi(b),
+        active=jnp.zeros((b,), bool), finish=zi(b),
+        bad_from=jnp.full((b,), eng.max_model_len, jnp.int32), length=zi(b), last_token=zi(b),
         num_generated=zi(b), max_tokens=zi(b), limit=zi(b),
         stop_ids=jnp.full((b, eng.max_stop_ids), -1, jnp.int32),
         sampling=SamplingState(jnp.zeros((b,), jnp.float32), zi(b),
@@ -343,6 +346,7 @@ def admit(s: Static, st: DecodeState, slots, prompts, limit, max_tokens, stop_id
     sp = st.sampling
     return st.replace(
         active=put(st.active, True), finish=put(st.finish, FINISH_NONE), length=put(st.length, 0),
+        bad_from=put(st.bad_from, s.eng.max_model_len),
         num_generated=put(st.num_generated, 0), max_tokens=put(st.max_tokens, max_tokens),
         limit=put(st.limit, limit), stop_ids=put(st.stop_ids, stop_ids),
         sampling=SamplingState(put(sp.temperature, temperature), put(sp.top_k, top_k),
@@ -433,10 +437,15 @@ def prefill_target(model, s: Static, st: DecodeState, slots, start, valid, logit
     scratch = st.prefill_hidden.at[jnp.arange(r)[:, None], at].set(hid, mode="drop")
     # A non-finite hidden anywhere in the prompt ends the request (its K/V are written
     # as zeros, so the last row's logits alone would not show it).
-    bad = jnp.any(real[..., None] & ~jnp.isfinite(pre.astype(jnp.float32)), axis=(1, 2))
+    nonfinite = real & ~jnp.all(jnp.isfinite(pre.astype(jnp.float32)), axis=-1)  # [r, chunk]
+    bad = jnp.any(nonfinite, axis=1)
     was = st.finish.at[slots].get(mode="clip")
     finish = st.finish.at[slots].set(jnp.where(bad, FINISH_ERROR, was), mode="drop")
-    st = st.replace(caches=tuple(kv.caches), prefill_hidden=scratch, finish=finish)
+    # where it started (the prefix cache must not share the blocks from there on)
+    first = jnp.min(jnp.where(nonfinite, pos, s.eng.max_model_len), axis=1)
+    bad_from = st.bad_from.at[slots].min(first, mode="drop")
+    st = st.replace(caches=tuple(kv.caches), prefill_hidden=scratch, finish=finish,
+                    bad_from=bad_from)
     if s.history_in_target:
         st = prefill_mtp(model, s, st, slots, start, history_end, chunk)
     return st, logits

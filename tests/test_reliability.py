@@ -37,7 +37,6 @@ from mtp_jax.checkpoint.safetensors_io import (read_safetensors_header, read_ten
 from mtp_jax.config import ConfigError, EngineConfig, SamplingParams, SpecConfig
 from mtp_jax.models import from_hf
 from mtp_jax.engine import Engine, Request
-from mtp_jax.kv_cache import PageAllocator
 
 from cli_fixtures import CORPUS, VOCAB, make_checkpoint, make_orbax
 from cpu_compile import cpu_flags
@@ -60,6 +59,14 @@ NEVER_FITS = Request("never", [5] * 30, SamplingParams(max_tokens=40))  # 64+ po
 HYPO = dict(deadline=None, derandomize=True, database=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                    HealthCheck.function_scoped_fixture])
+ALL_PAGES = list(range(1, POOL.num_pages + 1))
+
+
+def unheld(eng) -> list:
+    """The pool's pages no request holds: free, or kept by idle prefix-cache blocks."""
+    cache = eng.sched.cache
+    return eng.alloc.free[0] + ([b.pages[0] for b in cache.idle.values()] if cache else [])
+
 
 _COMPILES: list = []  # one entry per XLA backend compile in this process
 jax.monitoring.register_event_duration_secs_listener(
@@ -85,9 +92,7 @@ def reset(eng: Engine, model) -> Engine:
     """Idle on the clean model: no queue, free slots, a full page pool, zeroed KV pages
     (a test that poisoned the pages with NaN must not hand them to the next one)."""
     eng.model = model
-    eng.queue.clear()
-    eng.slots = [None] * eng.config.max_batch
-    eng.alloc = PageAllocator(eng.layout)
+    eng.sched.reset()
     st_ = eng.state
     eng.state = st_.replace(active=jnp.zeros_like(st_.active),
                             caches=jax.tree_util.tree_map(jnp.zeros_like, st_.caches))
@@ -283,7 +288,7 @@ def test_generate_mixed_batches_one_result_each_good_ones_unaffected(engine, alo
             assert (res.finish_reason, res.token_ids, res.error) == ("error", [], err)
         else:
             assert_result_matches(res, exp)
-    assert len(eng.alloc.free[0]) == POOL.num_pages and not eng.queue  # nothing leaked
+    assert sorted(unheld(eng)) == ALL_PAGES and not eng.queue  # nothing leaked
 
 
 @pytest.mark.parametrize("bad", [5, None, "\ud800abc"], ids=["int", "none", "lone_surrogate"])
@@ -314,17 +319,17 @@ def test_a_failing_admission_gives_an_error_result_and_leaks_nothing(engine, alo
     eng = engine("none")
     real = eng._admission
 
-    def admission(slot, req, pages, limit=None):
+    def admission(slot, req, pages, limit=None, shared=0):
         if req.id == 0:
             raise RuntimeError("injected")
-        return real(slot, req, pages, limit)
+        return real(slot, req, pages, limit, shared)
 
     monkeypatch.setattr(eng, "_admission", admission)
     results = eng.generate([Request(0, PROMPTS[1], SAMPLINGS[0]),
                             Request(1, PROMPTS[2], SAMPLINGS[0])])
     assert results[0].finish_reason == "error" and "injected" in results[0].error
     assert_result_matches(results[1], want)
-    assert len(eng.alloc.free[0]) == POOL.num_pages and not eng.queue
+    assert sorted(unheld(eng)) == ALL_PAGES and not eng.queue
 
 
 def test_a_failing_prefill_batch_errors_its_rows_and_leaks_nothing(engine, alone,
@@ -348,7 +353,7 @@ def test_a_failing_prefill_batch_errors_its_rows_and_leaks_nothing(engine, alone
                for r in results[:4])
     for got, exp in zip(results[4:], want):
         assert_result_matches(got, exp)
-    assert len(eng.alloc.free[0]) == POOL.num_pages and not eng.queue
+    assert sorted(unheld(eng)) == ALL_PAGES and not eng.queue
 
 
 # ================================================================ 1. hostile input: CLI
@@ -795,8 +800,8 @@ def test_more_requests_than_the_pool_holds_queue_and_match_alone(engine, alone, 
     refused, handed, live = [0], [], []
     reserve = eng.alloc.reserve
 
-    def spy(tokens):
-        pages = reserve(tokens)
+    def spy(tokens, held=None):
+        pages = reserve(tokens, held)
         refused[0] += pages is None
         if pages is not None:
             handed.append(pages[0])
@@ -813,7 +818,7 @@ def test_more_requests_than_the_pool_holds_queue_and_match_alone(engine, alone, 
     assert refused[0] > 0 and max(live) <= POOL.max_batch  # requests did wait for pages
     uses = collections.Counter(p for pages in handed for p in pages)
     assert max(uses.values()) > 1  # and pages were handed to more than one request
-    assert sorted(eng.alloc.free[0]) == list(range(1, POOL.num_pages + 1))
+    assert sorted(unheld(eng)) == ALL_PAGES
 
 
 def test_cli_error_record_for_a_reservation_that_never_fits(engine, alone, model, ckpt,
@@ -1127,3 +1132,30 @@ def test_nothing_recompiled(engines):
         assert eng.prefill_programs() == [(1, 16), (2, 16), (4, 16)]
         assert sizes["prefill_target"] == 3 and sizes["prefill_finish"] == 2 * 3, (method,
                                                                                   sizes)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_cached_prefix_that_met_nan_fails_its_readers_as_without_the_cache(
+        engine, alone, model, method):
+    """x (a NaN embedding row) at position 12 of a 24-token prefix that A and B share: A
+    computes it and fails, B, admitted in the same round reading A's blocks, fails as it
+    would computing them itself (no tokens); C shares only the first block, before x, and
+    reads it: its output is its clean one."""
+    base = PROMPTS[4] + PROMPTS[5][:8]  # 24 tokens
+    c_prompt = base[:12] + PROMPTS[3][:16]
+    c_out = alone(method, c_prompt, SAMPLINGS[0])
+    x = _fresh_tokens([c_out.token_ids], [c_prompt])[0]
+    prefix = base[:12] + [x] + base[13:]
+    eng = engine(method)
+    eng.model = model_with(model, (EMBED, x, np.nan))
+    a, b, c = eng.generate([Request("A", prefix + [1, 2, 3, 4], SAMPLINGS[0]),
+                            Request("B", prefix + [5, 6, 7, 8], SAMPLINGS[0]),
+                            Request("C", c_prompt, SAMPLINGS[0])])
+    for r in (a, b):
+        assert (r.finish_reason, r.token_ids) == ("error", []) and NAN_MSG in r.error, [
+            (q.id, q.token_ids, q.num_steps, q.num_cached_prompt_tokens) for q in (a, b, c)]
+    # it did read A's blocks (K = 3: not the one whose MTP KV reads A's tail)
+    assert b.num_cached_prompt_tokens == (24 if method == "none" else 16)
+    assert c.num_cached_prompt_tokens == 8  # the first block, clean, stayed cached
+    assert_result_matches(c, c_out)
+    assert sorted(unheld(eng)) == ALL_PAGES
