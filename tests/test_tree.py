@@ -221,9 +221,10 @@ def _run_tree_sampler(branching, rows, seed, children, duplicate=False, wrong=No
     the draft's Q[d][a]. children: 'iid' (siblings drawn independently from the parent's
     Q, verified with it) or 'top' (siblings the best of Q, verified as point masses).
     duplicate: the last of 'top' siblings repeats the first (iid siblings repeat one
-    another by chance; forcing it would make them not independent). wrong: a biased sampler for the power
-    check, 'shifted' (iid siblings verified against another distribution than the one
-    they were drawn from) or 'as_iid' (top siblings verified as if drawn from Q).
+    another by chance; forcing it would make them not independent). wrong: a biased
+    sampler for the power check, 'shifted' (iid siblings verified against another
+    distribution than the one they were drawn from) or 'as_iid' (top siblings verified as
+    if drawn from Q).
     Returns the committed tokens [rows, D + 1] (-1 past them), the accepted counts, the
     target tables and the node tokens."""
     rng = np.random.default_rng(seed)
@@ -351,7 +352,6 @@ def test_draw_children():
     """Greedy rows: the top `width`, best first. Sampled rows: the first child is what
     sampling.sample draws with the key, and the children are independent draws from the
     distribution (chi-square of the first two siblings' joint against q x q)."""
-    rng = np.random.default_rng(4)
     rows, m, v, width = 20000, 1, 4, 3
     q = np.array([0.1, 0.2, 0.3, 0.4])
     logp = jnp.broadcast_to(jnp.log(jnp.asarray(q, jnp.float32)), (rows, m, v))
