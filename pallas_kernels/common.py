@@ -6,7 +6,7 @@
   scale, shared by the XLA write and the GPU write kernel);
 - paged attention's row packing and masks (decode, verify and prefill; GQA and MLA):
   `MASK_VALUE`, `visible_mask`, `tile_kv_range`, `tile_full_range`, `unpack_rows`,
-  `head_scales`;
+  `head_scales`; a tree verify's ancestor masks (`tree_rows`, `tree_visible_mask`);
 - GPU tiling of head dims (`gpu_dim_tile`, `key_dim_parts`) and the split-K epilogue
   (`normalised`, `store_rows`, `combine_splits`); the TPU kernels' `to_compute`;
 - `swiglu`, the clamped SwiGLU of the model, the reference and the GPU kernel's epilogue.
@@ -109,6 +109,61 @@ def visible_mask(row, pos, *, kv_len, q_len, group, window, kv_capacity):
   return mask
 
 
+# A tree (paged attention's `tree_mask`) hands each packed row its ancestor set as bits,
+# TREE_WORD_BITS tree rows a word, and its depth after them (`tree_rows`).
+TREE_WORD_BITS = 32
+
+
+def tree_words(tree_len: int) -> int:
+  """Bit words that hold one query row's ancestor set over a tree of tree_len rows."""
+  return -(-tree_len // TREE_WORD_BITS)
+
+
+def tree_rows(tree_mask, group, rows):
+  """A tree's per-query ancestor sets as per-packed-row integers: [B, rows, W + 1] int32.
+
+  tree_mask [B, Q, T] bool (T >= Q): query i, the tree's row T - Q + i, sees tree row j
+  (j <= T - Q + i; entries past that are ignored). Column w < W = tree_words(T) holds bit
+  j of tree row 32 w + j; column W the query's depth, the tree rows it sees before its own
+  (its ancestors), which places a sliding window. Packed row r = i * G + g takes query
+  i's; padding rows (r >= Q * G) repeat the last query's, as `visible_mask` has them
+  repeat its position.
+  """
+  batch, q_len, tree_len = tree_mask.shape
+  words = tree_words(tree_len)
+  own = tree_len - q_len + jnp.arange(q_len)[:, None]  # each query's own tree row
+  col = jnp.arange(tree_len)[None, :]
+  seen = tree_mask & (col <= own)
+  depth = jnp.sum(seen & (col < own), axis=-1, dtype=jnp.int32)
+  padded = jnp.pad(seen, ((0, 0), (0, 0), (0, words * TREE_WORD_BITS - tree_len)))
+  weights = jnp.left_shift(jnp.uint32(1), jnp.arange(TREE_WORD_BITS, dtype=jnp.uint32))
+  bits = jnp.sum(padded.reshape(batch, q_len, words, TREE_WORD_BITS) * weights, axis=-1,
+                 dtype=jnp.uint32)  # distinct powers of two: the sum is their OR
+  cols = jnp.concatenate([lax.bitcast_convert_type(bits, jnp.int32), depth[..., None]], -1)
+  query = jnp.minimum(jnp.arange(rows) // group, q_len - 1)
+  return cols[:, query]
+
+
+def tree_visible_mask(bits, depth, pos, *, kv_len, tree_len, window, kv_capacity):
+  """`visible_mask` under a tree of tree_len rows, the last tree_len positions of kv_len
+  (kernel helper): a row sees every cached position before the tree, within a window
+  only the `window` positions up to its own logical one (the tree's first position + its
+  depth), and the tree rows its ancestor bits name. bits: one [rows, 1] int32 array per
+  word (`tree_rows`' columns), depth [rows, 1]; pos [rows, block_k] or broadcastable.
+  The tree's rows all lie in the window (paged_attention refuses a shorter window)."""
+  rel = pos - (kv_len - tree_len)  # the tree row a position holds; negative: before it
+  mask = rel < 0
+  for w, word in enumerate(bits):
+    start = w * TREE_WORD_BITS
+    shift = jnp.clip(rel - start, 0, TREE_WORD_BITS - 1)
+    hit = (lax.shift_right_logical(word, shift) & 1) != 0
+    mask |= hit & (rel >= start) & (rel < min(start + TREE_WORD_BITS, tree_len))
+  mask &= pos < kv_capacity
+  if window is not None:
+    mask &= (rel >= 0) | (rel > depth - window)
+  return mask
+
+
 def _tile_queries(tile, rows_per_block, group, q_len):
   """The first and last query of a row tile's packed rows (padding rows repeat the last
   query). All operands are non-negative, so lax.div is floor division."""
@@ -127,18 +182,30 @@ def _kv_range(start_query, end_query, *, kv_len, q_len, window, kv_capacity):
   return lo, hi
 
 
-def tile_kv_range(tile, *, kv_len, rows_per_block, q_len, group, window, kv_capacity):
-  """[lo, hi): the kv positions seen by any row of a row tile (kernel helper, scalars)."""
+def tile_kv_range(tile, *, kv_len, rows_per_block, q_len, group, window, kv_capacity,
+                  tree_len=0):
+  """[lo, hi): the kv positions seen by any row of a row tile (kernel helper, scalars).
+  tree_len > 0: rows see by `tree_visible_mask` over a tree of that many rows; a query
+  sees no tree row after its own (as causally), and its window starts at its depth past
+  the tree's first position, so the tree's first row bounds lo."""
   first, last = _tile_queries(tile, rows_per_block, group, q_len)
+  if tree_len:
+    first = jnp.full_like(first, q_len - tree_len)
   return _kv_range(first, last, kv_len=kv_len, q_len=q_len, window=window,
                    kv_capacity=kv_capacity)
 
 
-def tile_full_range(tile, *, kv_len, rows_per_block, q_len, group, window, kv_capacity):
+def tile_full_range(tile, *, kv_len, rows_per_block, q_len, group, window, kv_capacity,
+                    tree_len=0):
   """[lo, hi): the kv positions seen by every row of a row tile (kernel helper, scalars;
   empty when none is). Blocks inside it need no mask: every (row, position) pair of them
-  takes part. The tile's first query bounds hi, its last one lo."""
+  takes part. The tile's first query bounds hi, its last one lo. tree_len > 0: only
+  positions before the tree (no tree row is seen by every row), past the window of the
+  deepest possible row (depth tree_len - 1)."""
   first, last = _tile_queries(tile, rows_per_block, group, q_len)
+  if tree_len:
+    first = jnp.full_like(first, q_len - tree_len - 1)
+    last = jnp.full_like(last, q_len - 1)
   return _kv_range(last, first, kv_len=kv_len, q_len=q_len, window=window,
                    kv_capacity=kv_capacity)
 

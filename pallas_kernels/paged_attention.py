@@ -24,6 +24,19 @@ included). Rows that see nothing return exactly 0. Masked positions never contri
 whatever the pages hold there (NaN included). Block-table entries past what kv_len needs
 may be any in-range page id; the table itself is never read out of bounds.
 
+Draft trees (`tree_mask`, [Q, T] or [B, Q, T] bool, T >= Q): the last T kv positions of
+a row, base .. base + T - 1 (base = kv_lens[b] - T), hold the T nodes of a draft tree in
+node order, ancestors before descendants, and the Q query rows are its last Q nodes (a
+verify: T = Q, the whole tree; drafting one level of it: Q = that level's nodes, T = the
+nodes through it). Query i is tree row T - Q + i. It sees every position p < base, and
+base + j when tree_mask[b, i, j] with j <= T - Q + i (later entries are ignored): its
+ancestors and itself. Its logical position is base + depth_i, depth_i = the tree rows
+before its own that it sees, so with `sliding_window` W it sees only p > base + depth_i - W
+before the tree; a window shorter than T is refused (every ancestor then lies inside it).
+The lower triangle of ones (T = Q) is the causal mask: a chain of Q tokens as a tree gives
+the causal result. The kernels get each packed row's ancestor set as bits (32 tree rows a
+word) and its depth (`common.tree_rows`); without a tree_mask nothing of this is traced.
+
 Attention sinks (gpt-oss, MiMo-V2): query head h's learned logit s_h = sinks[h] (f32,
 not multiplied by sm_scale, not soft-capped) joins the softmax as one more column that
 carries no value, as transformers computes it (append the column, softmax, drop it):
@@ -80,7 +93,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.common import (FP8_DTYPE, check_positive_ints, head_scales, next_pow2,
-                                   resolve_backend, unpack_rows)
+                                   resolve_backend, tree_rows, unpack_rows)
 
 BACKEND_ENV_VAR = "MTP_JAX_ATTENTION_BACKEND"
 
@@ -185,7 +198,7 @@ def _resolve_backend(backend):
 
 
 def _check_inputs(q, k_pages, v_pages, block_tables, kv_lens, sliding_window, soft_cap,
-                  sinks=None, k_scale=None, v_scale=None):
+                  sinks=None, k_scale=None, v_scale=None, tree_mask=None):
   if q.ndim != 4:
     raise ValueError(f"q must be [B, Q, Hq, D], got shape {q.shape}.")
   batch, _, num_q_heads, head_dim = q.shape
@@ -230,13 +243,26 @@ def _check_inputs(q, k_pages, v_pages, block_tables, kv_lens, sliding_window, so
                        f"None, got shape {getattr(scale, 'shape', type(scale).__name__)}.")
     if not jnp.issubdtype(scale.dtype, jnp.floating):
       raise ValueError(f"{name} must be a float array, got {scale.dtype}.")
+  if tree_mask is not None:
+    q_len = q.shape[1]
+    shape = getattr(tree_mask, "shape", None)
+    if (shape is None or len(shape) not in (2, 3) or shape[-2] != q_len
+        or shape[-1] < q_len or (len(shape) == 3 and shape[0] != batch)):
+      raise ValueError(f"tree_mask must be [Q={q_len}, T] or [B={batch}, Q, T] with T >= Q "
+                       f"(query row i sees tree row j), got shape {shape}.")
+    if tree_mask.dtype != jnp.bool_:
+      raise ValueError(f"tree_mask must be bool, got {tree_mask.dtype}.")
+    if sliding_window is not None and sliding_window < shape[-1]:
+      raise ValueError(f"a tree_mask under a sliding window needs the window ({sliding_window})"
+                       f" to span the tree's T={shape[-1]} rows, so that every ancestor lies "
+                       "in it.")
 
 
 @functools.partial(jax.jit, static_argnames=("sliding_window", "soft_cap", "sm_scale",
                                              "block_config"))
 def paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, *,
                               sliding_window=None, soft_cap=None, sm_scale=None, sinks=None,
-                              k_scale=None, v_scale=None, block_config=None):
+                              k_scale=None, v_scale=None, tree_mask=None, block_config=None):
   """Pure-jnp paged attention: gather every table page, dense masked softmax.
 
   Same signature and result as `paged_attention` (block_config is accepted and ignored).
@@ -245,7 +271,7 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, *,
   """
   del block_config
   _check_inputs(q, k_pages, v_pages, block_tables, kv_lens, sliding_window, soft_cap, sinks,
-                k_scale, v_scale)
+                k_scale, v_scale, tree_mask)
   batch, q_len, num_q_heads, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape
   v_dim = v_pages.shape[3]
@@ -266,10 +292,13 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, *,
     logits = soft_cap * jnp.tanh(logits / soft_cap)
 
   pos = jnp.arange(k.shape[2])                                    # [K]
-  q_pos = kv_lens[:, None] - q_len + jnp.arange(q_len)            # [B, Q]
-  mask = pos[None, None, :] <= q_pos[:, :, None]                  # [B, Q, K]
-  if sliding_window is not None:
-    mask &= pos[None, None, :] > q_pos[:, :, None] - sliding_window
+  if tree_mask is None:
+    q_pos = kv_lens[:, None] - q_len + jnp.arange(q_len)          # [B, Q]
+    mask = pos[None, None, :] <= q_pos[:, :, None]                # [B, Q, K]
+    if sliding_window is not None:
+      mask &= pos[None, None, :] > q_pos[:, :, None] - sliding_window
+  else:
+    mask = _tree_mask(tree_mask, pos, kv_lens, q_len, sliding_window)
   # Positions no row sees may hold anything (NaN included); 0 * NaN would leak
   # through the einsum, so zero V there rather than relying on p == 0.
   v = jnp.where(mask.any(axis=1)[None, :, :, None], v, 0)
@@ -298,9 +327,29 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, *,
       batch, q_len, num_q_heads, v_dim).astype(q.dtype)
 
 
+def _tree_mask(tree_mask, pos, kv_lens, q_len, window):
+  """[B, Q, K] visibility of kv positions `pos` [K] under a tree (module docstring): every
+  position before the tree's first row, within a window the `window` positions up to the
+  query's own logical one (the tree's first position + its depth), and the tree rows up
+  to its own that `tree_mask` names."""
+  batch, tree_len = kv_lens.shape[0], tree_mask.shape[-1]
+  seen = jnp.broadcast_to(tree_mask, (batch, q_len, tree_len))
+  own = tree_len - q_len + jnp.arange(q_len)[:, None]            # [Q, 1]: its tree row
+  seen &= jnp.arange(tree_len)[None, :] <= own
+  rel = pos[None, None, :] - (kv_lens - tree_len)[:, None, None]  # [B, 1, K]: tree row
+  in_tree = jnp.take_along_axis(seen, jnp.broadcast_to(jnp.clip(rel, 0, tree_len - 1),
+                                                       (batch, q_len, pos.shape[0])), axis=2)
+  before = rel < 0
+  mask = before | (in_tree & (rel < tree_len))
+  if window is not None:
+    depth = jnp.sum(seen & (jnp.arange(tree_len)[None, :] < own), axis=-1)  # its ancestors
+    mask &= ~before | (rel > depth[:, :, None] - window)
+  return mask
+
+
 def paged_attention(q, k_pages, v_pages, block_tables, kv_lens, *, sliding_window=None,
                     soft_cap=None, sm_scale=None, sinks=None, k_scale=None, v_scale=None,
-                    backend=None, interpret=False, block_config=None):
+                    tree_mask=None, backend=None, interpret=False, block_config=None):
   """Paged GQA attention over the pages named by `block_tables` (module docstring).
 
   sm_scale: default 1 / sqrt(D) (the key head dim). sinks: None or [Hq] per-query-head
@@ -308,6 +357,9 @@ def paged_attention(q, k_pages, v_pages, block_tables, kv_lens, *, sliding_windo
   k_scale, v_scale: None (1.0) or [KVH] float traced arrays, kv head h's dequantization
   scales: its logical keys are k_pages[h] * k_scale[h], likewise values; for fp8
   (float8_e4m3fn) pages, and applied to pages of any dtype (module docstring).
+  tree_mask: None (causal), or [Q, T] / [B, Q, T] bool (T >= Q): the last T positions are
+  a draft tree's rows, the queries its last Q; query row i sees the positions before the
+  tree and the tree rows j <= T - Q + i it names (module docstring).
   backend: None -> $MTP_JAX_ATTENTION_BACKEND or jax.default_backend() ('cpu' runs the
   reference); or 'gpu', 'tpu', 'reference'. Resolved here, outside jit, so the env var
   is read on every call. interpret=True runs the chosen Pallas kernel in interpret mode
@@ -317,7 +369,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, kv_lens, *, sliding_windo
   """
   backend = _resolve_backend(backend)
   kwargs = dict(sliding_window=sliding_window, soft_cap=soft_cap, sm_scale=sm_scale,
-                sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+                sinks=sinks, k_scale=k_scale, v_scale=v_scale, tree_mask=tree_mask)
   if backend == "reference":
     return paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, **kwargs)
   if block_config is not None and not isinstance(block_config, BlockConfig):
@@ -330,12 +382,13 @@ def paged_attention(q, k_pages, v_pages, block_tables, kv_lens, *, sliding_windo
 @functools.partial(jax.jit, static_argnames=("sliding_window", "soft_cap", "sm_scale",
                                              "backend", "interpret", "block_config"))
 def _paged_attention_kernel(q, k_pages, v_pages, block_tables, kv_lens, *, sliding_window,
-                            soft_cap, sm_scale, sinks, k_scale, v_scale, backend, interpret,
-                            block_config):
-  """The packed rows' sinks and the backend's kernel: the GPU kernel gathers its packed
-  query rows from q and stores them back unpacked; the TPU kernel takes them packed."""
+                            soft_cap, sm_scale, sinks, k_scale, v_scale, tree_mask, backend,
+                            interpret, block_config):
+  """The packed rows' sinks (and tree rows) and the backend's kernel: the GPU kernel
+  gathers its packed query rows from q and stores them back unpacked; the TPU kernel
+  takes them packed."""
   _check_inputs(q, k_pages, v_pages, block_tables, kv_lens, sliding_window, soft_cap, sinks,
-                k_scale, v_scale)
+                k_scale, v_scale, tree_mask)
   batch, q_len, num_q_heads, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape
   v_dim = v_pages.shape[3]
@@ -354,17 +407,21 @@ def _paged_attention_kernel(q, k_pages, v_pages, block_tables, kv_lens, *, slidi
     sink_rows = jnp.tile(sinks.astype(jnp.float32).reshape(num_kv_heads, 1, group),
                          (1, q_len, 1)).reshape(num_kv_heads, rows)
     sink_rows = jnp.pad(sink_rows, ((0, 0), (0, padded - rows)))
+  tree, tree_len = None, 0
+  if tree_mask is not None:  # per packed row: its ancestor bit words and depth
+    tree_len = tree_mask.shape[-1]
+    tree = tree_rows(jnp.broadcast_to(tree_mask, (batch, q_len, tree_len)), group, padded)
   # Always passed (ones when None): multiplying by 1.0 changes no bit, and one kernel
   # signature serves quantized and plain pages.
   scales = head_scales(k_scale, v_scale, num_kv_heads=num_kv_heads)
   common = dict(q_len=q_len, group=group, soft_cap=soft_cap, window=sliding_window,
                 sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale,
                 pages_per_block=cfg.pages_per_block, rows_per_block=cfg.rows_per_block,
-                interpret=interpret)
+                interpret=interpret, tree_len=tree_len)
   if backend == "gpu":
     from pallas_kernels.paged_attention_gpu import paged_attention_gpu
     out = paged_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, scales, sink_rows,
-                              **common, num_splits=cfg.num_splits,
+                              tree, **common, num_splits=cfg.num_splits,
                               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out if out.shape[-1] == v_dim else out[..., :v_dim]
   if cfg.num_splits != 1:
@@ -374,5 +431,5 @@ def _paged_attention_kernel(q, k_pages, v_pages, block_tables, kv_lens, *, slidi
   qp = qp.reshape(batch, num_kv_heads, rows, head_dim)
   qp = jnp.pad(qp, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
   out = paged_attention_tpu(qp, k_pages, v_pages, block_tables, kv_lens, scales, sink_rows,
-                            **common)
+                            tree, **common)
   return unpack_rows(out[..., :v_dim], q_len, group)

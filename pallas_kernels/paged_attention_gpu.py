@@ -15,7 +15,9 @@ their own with no masks on their loads or logits. With more than one split
 writes a normalised partial output plus its log-sum-exp; `combine_splits` merges them.
 The share is computed from the actual kv_len, so short rows do not leave programs idle
 behind long ones. A sink enters split 0's initial softmax state only, so the combine
-counts it once.
+counts it once. Under a draft tree (`tree_mask`) each row's ancestor bits and depth come
+in as one more input (`common.tree_rows`) and mask its blocks (`common.tree_visible_mask`):
+only the positions before the tree run unmasked.
 
 K and V are gathered as 2-D [block_k, width] masked loads with one table entry per row.
 Gathering [pages, page_size, D] and reshaping to [block_k, D] computes the same thing,
@@ -44,7 +46,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.common import (MASK_VALUE, combine_splits, gpu_dim_tile, key_dim_parts,
                                    normalised, store_rows, tile_full_range, tile_kv_range,
-                                   unpack_rows, visible_mask)
+                                   tree_visible_mask, tree_words, unpack_rows,
+                                   visible_mask)
 
 
 LOG2E = 1.4426950408889634  # log2(e): logits in base 2
@@ -74,8 +77,9 @@ def _load_q_cols(q_ref, at, valid, start, width, tile):
 
 
 def _kernel(kv_lens_ref, bt_ref, scale_ref, q_ref, k_ref, v_ref, *refs, sm_scale, soft_cap,
-            window, q_len, group, rows, pages_per_block, num_splits, has_sinks):
-  sink_ref, out_refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
+            window, q_len, group, rows, pages_per_block, num_splits, has_sinks, tree_len):
+  sink_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
+  tree_ref, out_refs = (refs[0], refs[1:]) if tree_len else (None, refs)
   tile, split = pl.program_id(2), pl.program_id(3)
   head_dim = q_ref.shape[-1]
   num_q_heads = q_ref.shape[0] // q_len
@@ -92,7 +96,8 @@ def _kernel(kv_lens_ref, bt_ref, scale_ref, q_ref, k_ref, v_ref, *refs, sm_scale
   v_scale = scale_ref[1]
 
   lo, hi = tile_kv_range(tile, kv_len=kv_len, rows_per_block=rows, q_len=q_len,
-                         group=group, window=window, kv_capacity=kv_capacity)
+                         group=group, window=window, kv_capacity=kv_capacity,
+                         tree_len=tree_len)
   first_page = lax.div(lo, page_size)
   end_page = lax.div(hi + page_size - 1, page_size)
   num_blocks = lax.div(end_page - first_page + pages_per_block - 1, pages_per_block)
@@ -119,6 +124,10 @@ def _kernel(kv_lens_ref, bt_ref, scale_ref, q_ref, k_ref, v_ref, *refs, sm_scale
     idx[width] = (kv_row, lax.rem(kv_row, page_size),
                   lax.broadcasted_iota(jnp.int32, (block_k, width), 1))
   row_page = lax.div(jnp.arange(block_k, dtype=jnp.int32), page_size)
+  if tree_len:  # the tile's rows' ancestor bit words and depths, [rows, 1] each
+    words = tree_words(tree_len)
+    tree_bits = [tree_ref[w][:, None] for w in range(words)]
+    tree_depth = tree_ref[words][:, None]
   precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
 
   def gather(ref, pages, pos0, start, width, tile_w, masked):
@@ -154,9 +163,13 @@ def _kernel(kv_lens_ref, bt_ref, scale_ref, q_ref, k_ref, v_ref, *refs, sm_scale
       s = s * (logit_scale * LOG2E)
     else:
       s = soft_cap * jnp.tanh(s * logit_scale / soft_cap) * LOG2E
-    if masked:
+    if masked and tree_len:
+      mask = tree_visible_mask(tree_bits, tree_depth, pos0 + col, kv_len=kv_len,
+                               tree_len=tree_len, window=window, kv_capacity=kv_capacity)
+    elif masked:
       mask = visible_mask(row, pos0 + col, kv_len=kv_len, q_len=q_len, group=group,
                           window=window, kv_capacity=kv_capacity)
+    if masked:
       s = jnp.where(mask, s, MASK_VALUE)
     m_next = jnp.maximum(m_prev, s.max(axis=1))
     alpha = jnp.exp2(m_prev - m_next)
@@ -183,7 +196,8 @@ def _kernel(kv_lens_ref, bt_ref, scale_ref, q_ref, k_ref, v_ref, *refs, sm_scale
   # Blocks every row of the tile sees in full run without masks; the blocks at the
   # edges (the causal diagonal, the window's start, the last partial page) with them.
   full_lo, full_hi = tile_full_range(tile, kv_len=kv_len, rows_per_block=rows, q_len=q_len,
-                                     group=group, window=window, kv_capacity=kv_capacity)
+                                     group=group, window=window, kv_capacity=kv_capacity,
+                                     tree_len=tree_len)
   first_pos = first_page * page_size
   inner_lo = jnp.clip(lax.div(jnp.maximum(full_lo - first_pos, 0) + block_k - 1, block_k),
                       begin, end)
@@ -206,14 +220,17 @@ def _kernel(kv_lens_ref, bt_ref, scale_ref, q_ref, k_ref, v_ref, *refs, sm_scale
 
 
 def paged_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, scales, sink_rows=None,
-                        *, q_len, group, sm_scale, soft_cap, window, pages_per_block,
-                        num_splits, rows_per_block, num_warps, num_stages, interpret):
+                        tree_rows=None, *, q_len, group, sm_scale, soft_cap, window,
+                        pages_per_block, num_splits, rows_per_block, num_warps, num_stages,
+                        interpret, tree_len=0):
   """q [B, Q, Hq, D] as the op takes it (the kernel gathers each kv head's packed rows
   itself), pages in q's dtype or fp8, scales [KVH, 2] f32 (k_scale, v_scale per kv head),
   sink_rows None or [KVH, R] f32 (packed row r's sink, R the packed rows padded to the
-  tile) -> [B, Q, Hq, gpu_dim_tile(Dv)] in q's dtype; columns past Dv are zero. One split
-  stores its rows straight into that layout; split partials keep the packed layout and
-  their combine unpacks."""
+  tile), tree_rows None (causal) or [B, R, W + 1] int32 (`common.tree_rows`: packed row
+  r's ancestor bit words and depth over a tree of tree_len rows, the last of kv_len) ->
+  [B, Q, Hq, gpu_dim_tile(Dv)] in q's dtype; columns past Dv are zero. One split stores
+  its rows straight into that layout; split partials keep the packed layout and their
+  combine unpacks."""
   batch, _, num_q_heads, head_dim = q.shape
   kv_heads, _, page_size, v_dim = v_pages.shape
   max_pages = block_tables.shape[1]
@@ -237,7 +254,7 @@ def paged_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, scales, sink
   kernel = functools.partial(
       _kernel, sm_scale=sm_scale, soft_cap=soft_cap, window=window, q_len=q_len,
       group=group, rows=rows_per_block, pages_per_block=pages_per_block,
-      num_splits=num_splits, has_sinks=sink_rows is not None)
+      num_splits=num_splits, has_sinks=sink_rows is not None, tree_len=tree_len)
   flat = (None, q_len * num_q_heads)  # one batch row's [Q * Hq, width], rows gathered
   in_specs = [
       pl.BlockSpec((1,), lambda b, h, t, s: (b,)),
@@ -252,6 +269,12 @@ def paged_attention_gpu(q, k_pages, v_pages, block_tables, kv_lens, scales, sink
   if sink_rows is not None:
     in_specs.append(pl.BlockSpec((None, rows_per_block), lambda b, h, t, s: (h, t)))
     args.append(sink_rows)
+  if tree_rows is not None:
+    # [B, W + 1, R]: each column a row of its own, so the kernel loads it as a [rows]
+    # vector (Triton cannot slice a loaded tile)
+    cols = tree_rows.shape[-1]
+    in_specs.append(pl.BlockSpec((None, cols, rows_per_block), lambda b, h, t, s: (b, 0, t)))
+    args.append(tree_rows.transpose(0, 2, 1))
   if num_splits == 1:
     out_shape = [jax.ShapeDtypeStruct((batch, q_len * num_q_heads, v_tile), q.dtype)]
     out_specs = [pl.BlockSpec((*flat, v_tile), lambda b, h, t, s: (b, 0, 0))]

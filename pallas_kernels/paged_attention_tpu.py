@@ -12,7 +12,10 @@ starts the online softmax. Copies index the HBM ref with `.at[head, page]` and w
 `buf.at[slot, pl.ds(...)]`: no ref reshape or bitcast, which TPU interpret mode cannot
 run. K and V pages have their own widths D and Dv; every block spans a full head dim,
 so a D such as 192 (not a multiple of the 128 lanes) is one dot whose contracting dim
-Mosaic pads to whole lane tiles in VMEM and masks (nothing is padded in HBM).
+Mosaic pads to whole lane tiles in VMEM and masks (nothing is padded in HBM). Under a
+draft tree (`tree_mask`) each row's ancestor bits and depth come in as a (rows, W + 1)
+int32 block per row tile (`common.tree_rows`) and mask its blocks
+(`common.tree_visible_mask`).
 
 fp8 pages are copied as 1-byte data into 1-byte VMEM buffers and converted to q's dtype
 (through f32: Mosaic converts between arbitrary float types only by way of f32) right
@@ -34,18 +37,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.common import MASK_VALUE, tile_kv_range, to_compute, visible_mask
+from pallas_kernels.common import (MASK_VALUE, tile_kv_range, to_compute, tree_visible_mask,
+                                   tree_words, visible_mask)
 
 # Rows of a VMEM tile of 8-bit data: (32, 128), four rows packed per 32-bit sublane.
 FP8_TILE_ROWS = 32
 
 
 def _kernel(kv_lens_ref, bt_ref, scale_ref, q_ref, k_hbm, v_hbm, *refs, sm_scale, soft_cap,
-            window, q_len, group, pages_per_block, max_pages, has_sinks):
-  if has_sinks:
-    sink_ref, o_ref, k_buf, v_buf, sems = refs
-  else:
-    o_ref, k_buf, v_buf, sems = refs
+            window, q_len, group, pages_per_block, max_pages, has_sinks, tree_len):
+  sink_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
+  tree_ref, refs = (refs[0], refs[1:]) if tree_len else (None, refs)
+  o_ref, k_buf, v_buf, sems = refs
   b, h, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   rows = q_ref.shape[0]
   v_dim = v_hbm.shape[3]
@@ -59,7 +62,8 @@ def _kernel(kv_lens_ref, bt_ref, scale_ref, q_ref, k_hbm, v_hbm, *refs, sm_scale
   v_scale = scale_ref[2 * h + 1]
 
   lo, hi = tile_kv_range(tile, kv_len=kv_len, rows_per_block=rows, q_len=q_len,
-                         group=group, window=window, kv_capacity=kv_capacity)
+                         group=group, window=window, kv_capacity=kv_capacity,
+                         tree_len=tree_len)
   first_page = lax.div(lo, page_size)
   end_page = lax.div(hi + page_size - 1, page_size)
   num_blocks = lax.div(end_page - first_page + pages_per_block - 1, pages_per_block)
@@ -101,6 +105,10 @@ def _kernel(kv_lens_ref, bt_ref, scale_ref, q_ref, k_hbm, v_hbm, *refs, sm_scale
   row = tile * rows + lax.broadcasted_iota(jnp.int32, (rows, block_k), 0)
   col = lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
   v_col = lax.broadcasted_iota(jnp.int32, (block_k, v_dim), 0)
+  if tree_len:  # the tile's rows' ancestor bit words and depths, (rows, 1) columns
+    words = tree_words(tree_len)
+    tree_bits = [tree_ref[:, w:w + 1] for w in range(words)]
+    tree_depth = tree_ref[:, words:words + 1]
 
   def body(j, carry):
     acc, m_prev, l_prev = carry
@@ -118,8 +126,12 @@ def _kernel(kv_lens_ref, bt_ref, scale_ref, q_ref, k_hbm, v_hbm, *refs, sm_scale
     if soft_cap is not None:
       s = soft_cap * jnp.tanh(s / soft_cap)
     pos0 = (first_page + j * pages_per_block) * page_size
-    mask = visible_mask(row, pos0 + col, kv_len=kv_len, q_len=q_len, group=group,
-                        window=window, kv_capacity=kv_capacity)
+    if tree_len:
+      mask = tree_visible_mask(tree_bits, tree_depth, pos0 + col, kv_len=kv_len,
+                               tree_len=tree_len, window=window, kv_capacity=kv_capacity)
+    else:
+      mask = visible_mask(row, pos0 + col, kv_len=kv_len, q_len=q_len, group=group,
+                          window=window, kv_capacity=kv_capacity)
     s = jnp.where(mask, s, MASK_VALUE)
     m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
     alpha = jnp.exp(m_prev - m_next)
@@ -148,11 +160,13 @@ def _kernel(kv_lens_ref, bt_ref, scale_ref, q_ref, k_hbm, v_hbm, *refs, sm_scale
 
 
 def paged_attention_tpu(q_packed, k_pages, v_pages, block_tables, kv_lens, scales,
-                        sink_rows=None, *, q_len, group, sm_scale, soft_cap, window,
-                        pages_per_block, rows_per_block, interpret):
+                        sink_rows=None, tree_rows=None, *, q_len, group, sm_scale, soft_cap,
+                        window, pages_per_block, rows_per_block, interpret, tree_len=0):
   """q_packed [B, KVH, R, D] (R a multiple of rows_per_block), pages in q's dtype or fp8,
   scales [KVH, 2] f32 (k_scale, v_scale per kv head), sink_rows None or [KVH, R] f32
-  (packed row r's sink) -> [B, KVH, R, Dv]."""
+  (packed row r's sink), tree_rows None (causal) or [B, R, W + 1] int32
+  (`common.tree_rows`: packed row r's ancestor bit words and depth over a tree of tree_len
+  rows, the last of kv_len) -> [B, KVH, R, Dv]."""
   batch, kv_heads, rows, head_dim = q_packed.shape
   _, _, page_size, v_dim = v_pages.shape
   max_pages = block_tables.shape[1]
@@ -169,7 +183,7 @@ def paged_attention_tpu(q_packed, k_pages, v_pages, block_tables, kv_lens, scale
   kernel = functools.partial(
       _kernel, sm_scale=sm_scale, soft_cap=soft_cap, window=window, q_len=q_len,
       group=group, pages_per_block=pages_per_block, max_pages=max_pages,
-      has_sinks=sink_rows is not None)
+      has_sinks=sink_rows is not None, tree_len=tree_len)
   q_spec = pl.BlockSpec((None, None, rows_per_block, head_dim),
                         lambda b, h, t, *_: (b, h, t, 0))
   in_specs = [q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
@@ -178,6 +192,10 @@ def paged_attention_tpu(q_packed, k_pages, v_pages, block_tables, kv_lens, scale
     # [KVH, R, 1]: a (rows, 1) column, the layout of the running max and sum.
     in_specs.append(pl.BlockSpec((None, rows_per_block, 1), lambda b, h, t, *_: (h, t, 0)))
     args.append(sink_rows[..., None])
+  if tree_rows is not None:
+    cols = tree_rows.shape[-1]
+    in_specs.append(pl.BlockSpec((None, rows_per_block, cols), lambda b, h, t, *_: (b, t, 0)))
+    args.append(tree_rows)
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=3,
       grid=(batch, kv_heads, rows // rows_per_block),
