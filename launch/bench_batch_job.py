@@ -134,10 +134,11 @@ def matmul_params(cfg: ModelConfig, mtp: bool) -> int:
                            for k in range(cfg.num_mtp_modules))
 
 
-def prefill_flops(cfg: ModelConfig, prompt_len: int, mtp: bool) -> float:
+def prefill_flops(cfg: ModelConfig, prompt_len: int, mtp: bool, cached: int = 0) -> float:
+    """FLOPs of a prompt's prefill after its first `cached` positions (prefix cache)."""
     layers = cfg.num_layers + (cfg.num_mtp_modules if mtp else 0)
-    attn = 2 * 2 * layers * cfg.num_heads * cfg.head_dim * prompt_len ** 2 / 2
-    return 2 * matmul_params(cfg, mtp) * prompt_len + attn
+    attn = 2 * 2 * layers * cfg.num_heads * cfg.head_dim * (prompt_len ** 2 - cached ** 2) / 2
+    return 2 * matmul_params(cfg, mtp) * (prompt_len - cached) + attn
 
 
 class ReservingEngine(TimedEngine):
@@ -213,7 +214,9 @@ def run_job(model, method, k, rows, rule, args, prompts, cache: bool = True):
         if best is None or wall < best["wall_s"]:
             st = dict(eng.stats)
             gen = sum(len(r.token_ids) for r in res)
-            flops = len(prompts) * prefill_flops(cfg, args.prompt_len, method != "none")
+            flops = sum(prefill_flops(cfg, args.prompt_len, method != "none",
+                                      r.num_cached_prompt_tokens) for r in res)
+            computed = sum(args.prompt_len - r.num_cached_prompt_tokens for r in res)
             best = {
                 "method": method, "k": k, "draft_head": cfg.draft_head,
                 "prefill_batch": eng.config.prefill_batch,
@@ -230,7 +233,7 @@ def run_job(model, method, k, rows, rule, args, prompts, cache: bool = True):
                 "admit_s": st.get("admit_seconds", 0.0),
                 "decode_s": st.get("dispatch_seconds", 0.0),
                 "dispatches": st.get("dispatches", 0),
-                "prefill_tokens_per_s": len(prompts) * args.prompt_len
+                "prefill_tokens_per_s": computed  # the prompt tokens prefilled, not cached
                 / max(st.get("admit_seconds", 0.0), 1e-9),
                 "prefill_flop_per_s": flops / max(st.get("admit_seconds", 0.0), 1e-9),
                 "slot_idle_share": 1 - st.get("slot_seconds", 0.0) / (args.max_batch * wall),
