@@ -19,6 +19,14 @@ from pallas_kernels.gated_delta import (gated_delta, gated_delta_chunked_referen
 HK, HV, DK, DV = 2, 4, 16, 32
 
 
+@pytest.fixture(autouse=True)
+def _f32_matmuls():
+  """float32 matmuls at full precision on every backend (a GPU's default is TF32): the
+  tolerances below are float32's."""
+  with jax.default_matmul_precision("highest"):
+    yield
+
+
 def make_inputs(batch, seq, *, hk=HK, hv=HV, dk=DK, dv=DV, dtype=jnp.float32, seed=0):
   """Random q, k, v (dtype), g = log decay in [-1, -0.01], beta in (0.05, 0.95) and an
   initial state of scale 0.5."""

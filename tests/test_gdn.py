@@ -13,6 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -28,6 +29,14 @@ from mtp_jax.reference import generate_reference
 from mtp_jax.requests import Request
 
 from spec_models import markov_model, small_config
+
+
+@pytest.fixture(autouse=True)
+def _f32_matmuls():
+    """float32 matmuls at full precision on every backend (a GPU's default is TF32), as the
+    CPU computes them: the greedy comparisons below assume float32 arithmetic."""
+    with jax.default_matmul_precision("highest"):
+        yield
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 GDN = GDNConfig(num_k_heads=2, num_v_heads=4, k_head_dim=16, v_head_dim=16, conv_kernel=4)
