@@ -430,7 +430,7 @@ def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=
     return out
 
 
-def main(argv=None):
+def parse_args(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,32,8,64")
     ap.add_argument("--ctxs", default="1024,4096")
@@ -472,9 +472,15 @@ def main(argv=None):
                     help="the steps' dense matmuls on a GPU (EngineConfig.step_gemms; "
                          "default: by rows)")
     args = ap.parse_args(argv)
-    kv_dtypes = [None if x == "model" else x for x in args.kv_dtype.split(",")]
-    if set(kv_dtypes) - {None, "fp8"}:
+    args.kv_dtypes = [None if x == "model" else x for x in args.kv_dtype.split(",")]
+    if set(args.kv_dtypes) - {None, "fp8"}:
         ap.error(f"--kv-dtype {args.kv_dtype!r}: choose from model, fp8")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    kv_dtypes = args.kv_dtypes
     cfg = ModelConfig(**(TINY if args.tiny else SHAPES[args.shape]))
     dtype = jnp.dtype(cfg.dtype)
     acceptance = None
