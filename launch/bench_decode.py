@@ -35,7 +35,9 @@ Per (batch B, context ctx), all in one run with the copy bandwidth measured besi
   model's acceptance per depth (B * (1 + sum_d a_d) / speculative step time).
 Bytes: weights counted once per step as held (embedding only for the gathered rows:
 negligible; quantized weights with their scales), KV = B * ctx * layers * 2 * kv_heads *
-head_dim * 2 bytes.
+head_dim * 2 bytes. Under `--mesh` the limits are one device's: its shard of each weight
+and its part of the KV (kv heads split over tp, slots over dp, where they divide), against
+one device's copy bandwidth.
 With $OUT set, writes bench_decode.json and bench_decode.md there.
 """
 
@@ -45,6 +47,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import os
 import statistics
 import sys
@@ -72,7 +75,8 @@ from mtp_jax.strategies import CHAIN  # noqa: E402
 from mtp_jax.kv_cache import PageAllocator, PagedKV, make_layout  # noqa: E402
 from mtp_jax.calibration import calibrate_kv_scales  # noqa: E402
 from mtp_jax.quant import mode_of, reads_head_copy  # noqa: E402
-from mtp_jax.sharding import make_mesh, shard_params, state_shardings, use_mesh  # noqa: E402
+from mtp_jax.sharding import (axis_size, batch_axis, kv_heads_axis, make_mesh,  # noqa: E402
+                              shard_params, state_shardings, use_mesh)
 from mtp_jax.step import (Static, decode_step, greedy_steps, init_state,  # noqa: E402
                           programs, step_compiler_options)
 
@@ -140,12 +144,26 @@ def oracle_model(cfg: ModelConfig, dtype, seed=0) -> Model:
     return Model(cfg, graphdef, state)
 
 
+def held_bytes(value) -> int:
+    """Bytes of a parameter (values and scales) that one device holds: the whole of each
+    array on one device, its shard under a mesh."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+               for x in jax.tree_util.tree_leaves(value))
+
+
 def weight_bytes(model: Model, prefix) -> int:
-    total = 0
-    for path, var in model.params.flat_state():
-        if tuple(path)[: len(prefix)] == prefix and tuple(path) != ("target", "embed"):
-            total += sum(x.nbytes for x in jax.tree_util.tree_leaves(var.get_value()))
-    return total
+    """`held_bytes` of the parameters under `prefix`, the target's embedding aside (a step
+    reads only its gathered rows)."""
+    return sum(held_bytes(var.get_value()) for path, var in model.params.flat_state()
+               if tuple(path)[: len(prefix)] == prefix and tuple(path) != ("target", "embed"))
+
+
+def kv_share(mesh, cfg: ModelConfig, b: int) -> float:
+    """The part of a step's KV reads that falls on one device: its kv heads (split over
+    `tp` where they divide) of its slots (split over `dp` where they divide)."""
+    heads = axis_size(mesh, "tp") if kv_heads_axis(mesh, cfg.num_kv_heads) else 1
+    slots = axis_size(mesh, "dp") if batch_axis(mesh, b) else 1
+    return 1 / (heads * slots)
 
 
 def decoding_state(static: Static, model: Model, b: int, ctx: int, dtype):
@@ -172,7 +190,10 @@ def decoding_state(static: Static, model: Model, b: int, ctx: int, dtype):
 
 
 def timed(fn, reps=3):
-    """Best and median seconds of fn() (which blocks)."""
+    """Best and median seconds of fn() (which blocks) over `reps` calls, after one untimed
+    call: the same work as a timed one, so that nothing a program does once (its first
+    execution, buffers, collectives' set-up) is timed."""
+    fn()
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -292,7 +313,9 @@ def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=
                 kv_dtype=None, profile=False, step_gemms=None, page_size=16,
                 fixed_trip=False, sampled_steps=False):
     cfg = model.config
-    max_len = max(ctxs) + steps * (K + 1) * 4 + 64
+    # room on one state for the untimed call, the timed ones and a traced one, each
+    # `steps` steps of up to K + 1 tokens
+    max_len = max(ctxs) + steps * (K + 1) * 5 + 64
     eng = EngineConfig(max_batch=b, max_model_len=max_len, page_size=page_size,
                        prefill_chunk=max(16, page_size),
                        kv_dtype=kv_dtype, step_gemms=step_gemms)
@@ -319,7 +342,7 @@ def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=
         # engine runs for greedy rows (on a GPU without the sampled paths); one state alive
         for mth, pr in progs.items():
             prog = pr.steps(pr.static.k, sampled)
-            holder = {"st": jax.block_until_ready(prog(p, fresh(mth, ctx), jnp.int32(1)))}
+            holder = {"st": fresh(mth, ctx)}
 
             def run(prog=prog):
                 holder["st"] = jax.block_until_ready(prog(p, holder["st"], n))
@@ -328,7 +351,7 @@ def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=
             row[f"{mth}_step_ms_median"] = med / steps * 1e3
             if sampled_steps:  # the program with the sampled paths, from a fresh state
                 other = pr.steps(pr.static.k, sampled=True)
-                holder["st"] = jax.block_until_ready(other(p, fresh(mth, ctx), jnp.int32(1)))
+                holder["st"] = fresh(mth, ctx)
                 row[f"{mth}_sampled_step_ms"] = timed(
                     functools.partial(run, prog=other))[0] / steps * 1e3
                 log(f"{mth} B={b} ctx={ctx}: step {row[f'{mth}_step_ms']:.3f} ms, with the "
@@ -337,7 +360,7 @@ def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=
                 # fresh state (the one above may be near its slots' limit)
                 fixed = fixed_trip_loop(model, dataclasses.replace(pr.static, sampled=sampled),
                                         steps)
-                holder["st"] = jax.block_until_ready(fixed(p, fresh(mth, ctx)))
+                holder["st"] = fresh(mth, ctx)
 
                 def run_fixed():
                     holder["st"] = jax.block_until_ready(fixed(p, holder["st"]))
@@ -362,7 +385,7 @@ def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=
             for name, fn in (("verify4_ms", v4), ("draft_ms", draft_k)):
                 st = fresh("chain", ctx)
                 caches, st = st.caches, st.replace(caches=())
-                holder = {"c": jax.block_until_ready(fn(p, caches, st, 1))[0]}
+                holder = {"c": caches}
 
                 def run():  # the donated caches come back and feed the next call
                     holder["c"] = jax.block_until_ready(fn(p, holder["c"], st, steps))[0]
@@ -381,12 +404,13 @@ def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=
         one_s = row["chain_step_ms"] * steps / 1e3
         st = fresh("chain", ctx)
         chain = progs["chain"].steps(K, sampled)
-        st = jax.block_until_ready(chain(p, st, jnp.int32(1)))
+        dispatches = 4
+        per = jnp.int32(steps // dispatches)
+        st = jax.block_until_ready(chain(p, st, per))  # untimed, as the timed ones
         gen0 = int(np.sum(jax.device_get(st.num_generated)))
         t0e = time.perf_counter()
-        dispatches = 4
         for _ in range(dispatches):
-            st = chain(p, st, jnp.int32(steps // dispatches))
+            st = chain(p, st, per)
             small = jax.device_get((st.active, st.finish, st.num_generated, st.steps,
                                     st.accepted))
         eng_s = time.perf_counter() - t0e
@@ -406,7 +430,7 @@ def bench_batch(model, b, ctxs, steps, dtype, acceptance, mesh=None, steps_only=
     return out
 
 
-def main(argv=None):
+def parse_args(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,32,8,64")
     ap.add_argument("--ctxs", default="1024,4096")
@@ -448,9 +472,15 @@ def main(argv=None):
                     help="the steps' dense matmuls on a GPU (EngineConfig.step_gemms; "
                          "default: by rows)")
     args = ap.parse_args(argv)
-    kv_dtypes = [None if x == "model" else x for x in args.kv_dtype.split(",")]
-    if set(kv_dtypes) - {None, "fp8"}:
+    args.kv_dtypes = [None if x == "model" else x for x in args.kv_dtype.split(",")]
+    if set(args.kv_dtypes) - {None, "fp8"}:
         ap.error(f"--kv-dtype {args.kv_dtype!r}: choose from model, fp8")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    kv_dtypes = args.kv_dtypes
     cfg = ModelConfig(**(TINY if args.tiny else SHAPES[args.shape]))
     dtype = jnp.dtype(cfg.dtype)
     acceptance = None
@@ -470,7 +500,6 @@ def main(argv=None):
     mesh = make_mesh(args.mesh)
     base = oracle_model(cfg, dtype)
     log(f"model {cfg.num_params / 1e9:.2f} B params built in {time.perf_counter() - t0:.1f}s")
-    head = cfg.hidden_size * cfg.vocab_size * dtype.itemsize
     if "fp8" in kv_dtypes:  # read only by engines with fp8 pages
         ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 256)).tolist()
         base.kv_scales = calibrate_kv_scales(base, ids)
@@ -490,7 +519,9 @@ def main(argv=None):
         jax.block_until_ready(model.params)
         tw = weight_bytes(model, ("target",))
         mtp_w = weight_bytes(model, ("mtp",))
-        head_w = head if model.config.tie_word_embeddings else weight_bytes(
+        embed = next(v.get_value() for path, v in model.params.flat_state()
+                     if tuple(path) == ("target", "embed"))
+        head_w = held_bytes(embed) if model.config.tie_word_embeddings else weight_bytes(
             model, ("target", "lm_head"))
         if n_draft:  # the draft reads its reduced heads, not the target lm_head
             head_w = weight_bytes(model, ("draft_vocab",)) / len(
@@ -498,7 +529,8 @@ def main(argv=None):
         # ... and their quantized copy at batches of few enough rows
         copy_w = (weight_bytes(model, ("draft_heads",)) / len(model.module().draft_heads)
                   if model.config.draft_head else None)
-        log(f"weights {weights}: target {tw / 1e9:.2f} GB, MTP {mtp_w / 1e9:.2f} GB")
+        log(f"weights {weights}: target {tw / 1e9:.2f} GB, MTP {mtp_w / 1e9:.2f} GB"
+            + (" per device" if mesh is not None else ""))
         for b, page in [(int(x), p) for x in args.batches.split(",") for p in page_sizes]:
             for row in bench_batch(model, b, [int(x) for x in args.ctxs.split(",")],
                                    args.steps, dtype, acceptance, mesh, args.steps_only,
@@ -507,11 +539,12 @@ def main(argv=None):
                 ctx = row["ctx"]
                 row["kv_dtype"] = (kv_dtype or str(dtype)) + (
                     f" p{page}" if page_sizes != [16] else "")
-                plain_bytes = tw + b * ctx * kv_tok
+                kv = b * ctx * kv_tok * kv_share(mesh, cfg, b)  # one device's
+                plain_bytes = tw + kv
                 with use_mesh(mesh):  # the rule the model reads the copy by
                     copied = copy_w is not None and reads_head_copy(b)
                 read = copy_w if copied else head_w
-                draft_bytes = mtp_w + K * read + K * b * ctx * kv_tok / cfg.num_layers
+                draft_bytes = mtp_w + K * read + K * kv / cfg.num_layers
                 row["weights"] = (weights + (f" dv{n_draft}" if n_draft else "")
                                   + (f" dh-{draft_head}" if model.config.draft_head else ""))
                 row["plain_limit_ms"] = plain_bytes / best_bw * 1e3

@@ -298,6 +298,18 @@ def check(mesh) -> dict:
             "allgather": np.asarray(ranks).reshape(-1).tolist(), "backend": jax.default_backend()}
 
 
+def leave() -> None:
+    """Leave the distributed runtime together, once every process is done: without it
+    each process tears its client down as its interpreter exits, and process 0, which
+    hosts the coordination service, can take the service down while another process's
+    client still polls it (that process's log then ends in a gRPC error)."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices("multihost: done")
+    jax.distributed.shutdown()
+
+
 def run_process(args) -> int:
     initialize(args)
     import jax
@@ -318,10 +330,9 @@ def run_process(args) -> int:
           f"{dict(mesh.shape) if mesh is not None else 'none'}", file=sys.stderr, flush=True)
     if args.command == "check":
         print("CHECK " + json.dumps(check(mesh)), flush=True)
+        leave()
         return 0
     import importlib
-
-    from jax.experimental import multihost_utils
 
     module = importlib.import_module(f"mtp_jax.{args.command}")
     cli_args = list(args.cli_args)
@@ -339,7 +350,7 @@ def run_process(args) -> int:
             if rank:  # process 0 alone speaks on stdout
                 sys.stdout = stack.enter_context(open(os.devnull, "w"))
             rc = module.main(cli_args)
-        multihost_utils.sync_global_devices("multihost: done")
+        leave()
     finally:
         sys.stdout = stdout
         shutil.rmtree(private, ignore_errors=True)

@@ -25,7 +25,8 @@
 # A slice of more than one host (the accelerator type's suffix above 8: v4-16,
 # v5litepod-16, ...) runs generate and evaluate through launch/multihost.py on every
 # worker, where jax.distributed.initialize() detects the pod; only worker 0 writes the
-# results. Give --mesh spanning all chips there for generate (evaluate takes no mesh).
+# results. Give --mesh spanning all chips there for generate (evaluate runs without one:
+# each worker evaluates on its first chip).
 # The VM's Ubuntu 22.04 ships Python 3.10 and jax needs 3.11+, so the install puts
 # python3.11 in a virtual environment (~/mtp_venv).
 # Not run on TPU hardware by this project: see README.md, "Scale-out and launch".

@@ -55,6 +55,7 @@ from .cli import (Fatal, LineError, add_draft_options, add_healing_option,
 from .healing import Healer, heal_line
 from .metrics import repeated_ngrams
 from .quant import mode_of
+from .sharding import make_mesh, param_sharding
 from .strategies import STRATEGIES
 
 # the speculative methods, in the report's order
@@ -113,9 +114,10 @@ def build_prompts(entries, tokenizer, defaults: SamplingParams, limit: Optional[
 
 
 def load_model(path: Optional[str], dtype: Optional[str] = None, quantize=None,
-               verbose: bool = False):
+               verbose: bool = False, mesh=None):
     """(folder, Model): `path`, else the shipped model (the generate CLI's lookup),
-    quantized as asked; a load error's long lists shortened unless `verbose`."""
+    quantized as asked and streamed onto `mesh` if given; a load error's long lists
+    shortened unless `verbose`."""
     if path:
         model_dir = path  # a folder or a hub id (load resolves it: checkpoint/hub.py)
     else:
@@ -124,7 +126,8 @@ def load_model(path: Optional[str], dtype: Optional[str] = None, quantize=None,
             raise Fatal(f"no --model given and no shipped model in {searched}; pass --model "
                         "PATH (an HF-layout folder or an orbax folder written by mtp_jax)")
     try:
-        return model_dir, load(str(model_dir), dtype=dtype, quantize=quantize)
+        return model_dir, load(str(model_dir), dtype=dtype, quantize=quantize,
+                               shardings=param_sharding(mesh))
     except (CheckpointError, ConfigError, OSError) as e:
         raise Fatal(f"cannot load model {model_dir}: {load_error(e, verbose)}") from None
 
@@ -181,10 +184,10 @@ def method_stats(results, reference, wall_s: float, compile_s: float, spec: Spec
 
 
 def run_methods(model, requests, ids, methods, ks, eng_cfg: EngineConfig, greedy, log,
-                repeat: int = 1) -> dict:
+                repeat: int = 1, mesh=None) -> dict:
     """`none` first, then each method at each K of `ks` ("auto" or integers), on fresh
-    warmed-up engines of one configuration. Rows are named by the method, or
-    `method/K` when several K run.
+    warmed-up engines of one configuration (over `mesh` if given). Rows are named by the
+    method, or `method/K` when several K run.
 
     With `repeat` > 1 every engine stays alive and the job runs in `repeat` rounds, each
     round every engine once in the same order (adaptive K learning from scratch each
@@ -201,7 +204,11 @@ def run_methods(model, requests, ids, methods, ks, eng_cfg: EngineConfig, greedy
 
     def build(name, method, k):
         t0 = time.perf_counter()
-        engine = Engine(model, SpecConfig(method, num_speculative_tokens=k), eng_cfg)
+        try:
+            engine = Engine(model, SpecConfig(method, num_speculative_tokens=k), eng_cfg,
+                            mesh=mesh)
+        except (ConfigError, ValueError) as e:  # a mesh the model or batch cannot split over
+            raise Fatal(str(e)) from None
         engine.warmup(requests)
         compile_s = time.perf_counter() - t0
         log(f"{name}: compiled in {compile_s:.1f} s")
@@ -419,6 +426,8 @@ def parse_args(argv):
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mesh", metavar="tp=N,dp=M,ep=E",
+                   help="shard over devices as the generate CLI does (default: one device)")
     p.add_argument("--teacher-forced", action="store_true",
                    help="measure each MTP head's top-1 agreement with the target on the "
                         "prompts in one jitted pass per batch, without generating")
@@ -497,7 +506,11 @@ def evaluate(args, log) -> dict:
 
     if args.dtype == "float32":  # full f32 matmuls too (no TF32 / bf16 passes on GPU)
         jax.config.update("jax_default_matmul_precision", "highest")
-    model_dir, model = load_model(args.model, args.dtype, args.quantize, args.verbose)
+    try:
+        mesh = make_mesh(args.mesh)
+    except ValueError as e:
+        raise Fatal(str(e)) from None
+    model_dir, model = load_model(args.model, args.dtype, args.quantize, args.verbose, mesh)
     model = apply_draft_options(model, args)
     cfg = model.config
     if cfg.num_mtp_modules < 1:
@@ -529,7 +542,8 @@ def evaluate(args, log) -> dict:
                          "num_speculative_tokens": list(args.ks),
                          "max_tokens": args.max_tokens, "max_batch": args.max_batch,
                          "max_model_len": max_len, "dataset": args.dataset,
-                         "repeat": args.repeat, "weights": mode_of(model.params),
+                         "repeat": args.repeat, "mesh": args.mesh,
+                         "weights": mode_of(model.params),
                          "kv_dtype": args.kv_dtype, "prefix_cache": args.prefix_cache,
                          "draft_vocab_size": cfg.draft_vocab_size or None,
                          "draft_head": cfg.draft_head,
@@ -552,7 +566,7 @@ def evaluate(args, log) -> dict:
                            prefix_cache=args.prefix_cache)
     greedy = all(sp.temperature == 0 for _, sp, _ in prompts)
     report["methods"] = run_methods(model, requests, ids, args.methods, args.ks, eng_cfg,
-                                    greedy, log, args.repeat)
+                                    greedy, log, args.repeat, mesh)
     return report
 
 

@@ -164,7 +164,7 @@ class Runner:
         for r, c in prefill_programs:
             slots = np.full((r,), self.config.max_batch, np.int32)
             zero = np.zeros((r,), np.int32)
-            logits = jnp.zeros((r, self.model.config.vocab_size), jnp.float32)
+            logits = self.progs.no_logits(r)
             out = prepare(self.progs.prefill_target(c), p, st, slots, zero, zero, logits, zero)
             if out is not None:
                 st, logits = out
@@ -310,7 +310,7 @@ class Runner:
         history end, prefix_cache.py): its chunks start there."""
         s, p = self.static, self.model.params
         st = self.state
-        logits = jnp.zeros((len(slots), self.model.config.vocab_size), jnp.float32)
+        logits = self.progs.no_logits(len(slots))
         history_end = (prompt_len - 1 - s.k).astype(np.int32)  # final windows start here
         for c, start, valid in self.chunks(prompt_len, cached):
             st, logits = self.progs.prefill_target(c)(p, st, slots, start, valid, logits,

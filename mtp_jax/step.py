@@ -659,12 +659,18 @@ class Programs:
 
     def _jit(self, fn, n_extra: int, *, name: str, with_params=True, logits=False,
              compiler_options=None):
-        """fn([params,] st, *extra) -> state (or (state, logits)), state donated."""
+        """fn([params,] st, *extra) -> state (or (state, logits)), state donated.
+
+        Under a mesh every input's sharding is pinned, the extra (host-side) arguments
+        replicated: left unspecified, the compiler chooses the sharding of an uncommitted
+        argument (the first prefill chunk's zero logits came out split over `tp`), which a
+        later call's committed one (the previous chunk's replicated logits) does not
+        match: `jax.jit` compiles again, a stored executable refuses the call."""
         kw = {"compiler_options": compiler_options} if compiler_options else {}
         if self.state_sharding is not None:
             ins = (self.params_sharding,) if with_params else ()
-            kw["in_shardings"] = ins + (self.state_sharding,) + (None,) * n_extra
             rep = jax.sharding.NamedSharding(self.static.mesh, P())
+            kw["in_shardings"] = ins + (self.state_sharding,) + (rep,) * n_extra
             kw["out_shardings"] = (self.state_sharding, rep) if logits else self.state_sharding
         mesh = self.static.mesh
 
@@ -723,6 +729,17 @@ class Programs:
     def grow(self):
         return self._jit(functools.partial(grow, self.static), 4, name="grow",
                          with_params=False)
+
+    @functools.cache
+    def no_logits(self, rows: int):
+        """The logits a prefill batch of `rows` starts from (zeros [rows, V]), placed as
+        the prefill programs return theirs (replicated over the mesh, committed): jax
+        traces a committed argument apart from an uncommitted one, so a first chunk
+        passing fresh zeros and a later one passing the previous chunk's logits would
+        compile the program twice."""
+        rep = None if self.static.mesh is None else jax.sharding.NamedSharding(
+            self.static.mesh, P())
+        return jnp.zeros((rows, self.static.cfg.vocab_size), jnp.float32, device=rep)
 
     # The prefill programs take a batch of r requests (slots [r], per-row int32 arrays):
     # one compile per chunk length and row count.

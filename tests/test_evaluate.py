@@ -298,6 +298,36 @@ def test_bad_arguments(files, capsys):
     rc, _, err = call(["--model", files / "model", "--dataset", files / "data.jsonl",
                        "--methods", "chain", "--num-speculative-tokens", 5])
     assert rc == 1 and "num_speculative_tokens" in err
+    rc, _, err = call(["--model", files / "model", "--dataset", files / "data.jsonl",
+                       "--mesh", "tp=64"])
+    assert rc == 1 and "needs 64 devices" in err
+
+
+def test_mesh_of_two_devices_reports_the_single_device_rows(spec_run, files, tmp_path):
+    """`--mesh tp=2` on two fake CPU devices (a subprocess: the device count is fixed when
+    jax starts): the chain row's tokens and acceptance are the single-device run's."""
+    import os
+    import subprocess
+
+    from cpu_compile import cpu_flags
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {cpu_flags()}")
+    report = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mtp_jax.evaluate", "--model", str(files / "model"),
+         "--dataset", str(files / "data.jsonl"), "--max-tokens", str(MAX_TOKENS),
+         "--max-batch", "2", "--methods", "chain", "--num-speculative-tokens", str(K),
+         "--repeat", "1", "--mesh", "tp=2", "--output", str(report)],
+        capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rep = json.loads(report.read_text())
+    assert rep["config"]["mesh"] == "tp=2" and rep["device"]["count"] == 2
+    one = spec_run[1]["methods"]["chain"]
+    row = rep["methods"]["chain"]
+    assert row["lossless"] and row["num_errors"] == 0
+    for key in ("generated_tokens", "target_forwards", "acceptance_per_depth"):
+        assert row[key] == one[key], key
 
 
 def test_dataset_reads_humaneval_as_published(tmp_path):

@@ -352,3 +352,21 @@ def test_lenient_warns_and_max_tokens_capped(ckpt, tmp_path):
     assert recs["cap"]["max_tokens_capped"] == 4 == recs["cap"]["num_generated_tokens"]
     assert "warning" not in recs["cap"]
     assert "empty prompt_ids" in recs["bad"]["error"] and "['x']" in recs["bad"]["warning"]
+
+
+@pytest.mark.parametrize("mesh", ["tp=2", "dp=2"])
+def test_mesh_of_two_devices_gives_the_single_device_tokens(ckpt, chain_run, tmp_path, mesh):
+    """The CLI over two (fake CPU) devices, heads or slots split, emits the tokens of the
+    single-device chain_run (greedy: any K gives them; a fixed K compiles one step
+    program)."""
+    chain = {r["id"]: r["token_ids"] for r in chain_run[1] if "token_ids" in r}
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps(x) + "\n" for x in VALID[:3]))
+    flags = f"--xla_force_host_platform_device_count=2 {cpu_flags()}"
+    proc = run_cli(["--model", ckpt / "shipped" / "hf", "--input", inp, "--output", out,
+                    "--mesh", mesh, "--method", "chain", "--num-speculative-tokens", "2",
+                    *ENGINE_ARGS, "--compile-cache", "off"], env={"XLA_FLAGS": flags})
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    assert "3 ok, 0 errors" in proc.stderr.decode()
+    got = {r["id"]: r["token_ids"] for r in records(out.read_bytes())}
+    assert got == {rid: chain[rid] for rid in got} and len(got) == 3

@@ -326,6 +326,65 @@ def test_multihost_unreadable_input_stops_every_process(tmp_path):
     assert not (tmp_path / "o.jsonl").exists()
 
 
+# -------------------------------------------------------------- multi_gpu_check.sh
+FAKE_PYTHON = """#!{python}
+import json, os, sys
+args = sys.argv[1:]
+if args[:1] in (["-"], ["-c"]):  # the script's own helpers run for real
+    os.execv({python!r}, [{python!r}] + args)
+keep = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
+        "CUDA_VISIBLE_DEVICES")
+with open({log!r}, "a") as f:
+    f.write(json.dumps({{"argv": args, "env": {{k: os.environ.get(k) for k in keep}}}}) + "\\n")
+if "--output" in args:  # a generate run's one record, the same whatever the mesh
+    with open(args[args.index("--output") + 1], "a") as f:
+        f.write(json.dumps({{"id": "a", "token_ids": [1, 2]}}) + "\\n")
+if args[0].endswith("bench_decode.py"):
+    open(os.path.join(os.environ["OUT"], "bench_decode.md"), "w").write("| table |\\n")
+"""
+
+
+@needs_bash
+def test_multi_gpu_check_command_lines_parse(tmp_path):
+    """launch/multi_gpu_check.sh through an interpreter that records its command lines:
+    every one is accepted by its CLI's argument parser, with the meshes, processes and
+    NVLink-multicast switches the script is for."""
+    sys.path.insert(0, str(LAUNCH))
+    import bench_decode
+    from mtp_jax import generate
+
+    log = tmp_path / "calls.jsonl"
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON.format(python=sys.executable, log=str(log)))
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    proc = subprocess.run(["bash", str(LAUNCH / "multi_gpu_check.sh")], capture_output=True,
+                          text=True, env=cpu_env(PYTHON=str(fake), OUT=str(tmp_path / "out")),
+                          timeout=300)
+    assert proc.returncode == 0 and "all parts passed" in proc.stdout, proc.stdout + proc.stderr
+    assert {p.name for p in (tmp_path / "out").iterdir()} == {
+        "summary_generate_multihost_bench.txt", "logs_generate_multihost_bench.tar.gz"}
+    calls = [json.loads(x) for x in log.read_text().splitlines()]
+    assert all(c["env"]["NCCL_NVLS_ENABLE"] == "0" and c["env"]["NVSHMEM_DISABLE_NVLS"] == "1"
+               and c["env"]["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1" for c in calls)
+    gen = [generate.parse_args(c["argv"][2:]) for c in calls if c["argv"][:2] == [
+        "-m", "mtp_jax.generate"]]
+    assert [a.mesh for a in gen] == [None, None, "tp=2", "tp=2", "dp=2", "dp=2"]
+    mh = [c for c in calls if c["argv"][0] == "launch/multihost.py"]
+    launcher = load_launcher()
+    parsed = sorted(((launcher.parse_args(c["argv"][1:]), c["env"]["CUDA_VISIBLE_DEVICES"])
+                     for c in mh), key=lambda x: x[0].process_id)
+    assert [(a.process_id, a.num_processes, a.mesh, a.command, gpu) for a, gpu in parsed] == [
+        (0, 2, "dp=2", "generate", "0"), (1, 2, "dp=2", "generate", "1")]
+    assert parsed[0][0].coordinator == parsed[1][0].coordinator
+    for a, _ in parsed:
+        generate.parse_args(a.cli_args)
+    bench = [bench_decode.parse_args(c["argv"][1:]) for c in calls
+             if c["argv"][0] == "launch/bench_decode.py"]
+    assert [(b.mesh, b.batches, b.ctxs, b.steps_only, b.shape) for b in bench] == [
+        (None, "1,8", "4096", True, "mimo-7b"), ("tp=2", "1,8", "4096", True, "mimo-7b")]
+    assert len(calls) == len(gen) + len(mh) + len(bench)
+
+
 def test_profile_breakdown_kinds_and_cpu_trace(tmp_path):
     """Kernel names as an H100 trace of the engine's prefill shows them fall in their
     kinds; a CPU trace has no device plane, so no breakdown (and says so)."""

@@ -16,10 +16,11 @@ from cpu_compile import cpu_flags
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_on_8_devices(script: str, *args: str) -> dict:
-    """Run tests/scripts/<script> on 8 fake CPU devices; its RESULT line, parsed."""
+def run_on_8_devices(script: str, *args: str, devices: int = 8) -> dict:
+    """Run tests/scripts/<script> on 8 (`devices`) fake CPU devices; its RESULT line,
+    parsed."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 " + cpu_flags()
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} " + cpu_flags()
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run([sys.executable, os.path.join(HERE, "scripts", script), *args],
                           env=env, capture_output=True, text=True, timeout=900)
@@ -46,6 +47,23 @@ def test_sharded_greedy_equals_single_device(result, method):
         assert r["accepted"] > 0
     # two meshes prefill the 4 prompts as rows of one forward (rows over dp)
     assert r["prefill_rows"] == (4 if method in ("none", "chain") else 1)
+
+
+@pytest.fixture(scope="module")
+def chunks_result():
+    """Prompts of several prefill chunks under tp=2 (scripts/sharded_prefill_chunks)."""
+    return run_on_8_devices("sharded_prefill_chunks.py", devices=2)
+
+
+@pytest.mark.parametrize("path", ["jit", "store"])
+def test_multi_chunk_prefill_under_tp(chunks_result, path):
+    """A chunk after the first passes the previous chunk's logits: it must run the
+    program the first chunk ran (warmed up, or loaded from the executable store), with
+    the single-device tokens."""
+    r = chunks_result[path]
+    assert r["chunks"] == [16, 32]
+    assert not r["errors"] and all(r["equal"]), r
+    assert r["after"] == r["warm"]
 
 
 def test_orbax_restores_into_the_sharding(result):
