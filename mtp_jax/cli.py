@@ -247,6 +247,14 @@ def add_prefix_cache_option(p) -> None:
                         "(output unchanged either way)")
 
 
+def add_deterministic_option(p) -> None:
+    p.add_argument("--deterministic", action="store_true",
+                   help="a token's logits do not depend on the rows computed beside it "
+                        "(decode, verify, prefill, batch): greedy speculative output equals "
+                        "plain decoding bitwise in bf16 too, and a seeded request gives the "
+                        "same tokens at any batch; slower (README)")
+
+
 def add_draft_options(p) -> None:
     """--draft-vocab / --draft-vocab-size and --draft-head: what the draft reads; output
     unchanged."""

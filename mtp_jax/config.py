@@ -768,6 +768,11 @@ class EngineConfig:
     # tokens (prefix_cache.py); off by itself where the layout cannot (sliding windows,
     # linear attention: `Engine.prefix_cache_off` says why)
     prefix_cache: bool = True
+    # every contraction that takes rows runs in fixed row tiles and attention and MoE take
+    # their jnp paths, so a token's logits do not depend on the rows beside it (decode,
+    # verify, prefill, batch): greedy speculative output equals plain decoding bitwise in
+    # bf16 too, at some speed (pallas_kernels/invariant.py)
+    deterministic: bool = False
 
     def __post_init__(self):
         if not (self.greedy_steps is None or isinstance(self.greedy_steps, bool)):
@@ -787,5 +792,7 @@ class EngineConfig:
         if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 1
                               or r & (r - 1)):
             raise ConfigError(f"prefill_batch must be a power of two >= 1 (or None), got {r!r}")
+        if not isinstance(self.deterministic, bool):
+            raise ConfigError(f"deterministic={self.deterministic!r} must be True or False")
         if self.steps_per_dispatch < 1:
             raise ConfigError("steps_per_dispatch must be >= 1")

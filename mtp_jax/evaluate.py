@@ -48,8 +48,8 @@ from .compile_cache import add_compile_cache_option
 from .config import (ConfigError, EngineConfig, SamplingParams, SpecConfig,
                      parse_num_speculative_tokens)
 from .cli import (Fatal, LineError, add_draft_options, add_healing_option,
-                  add_prefill_batch_option, add_prefix_cache_option, add_quantize_option,
-                  add_verbose_option,
+                  add_deterministic_option, add_prefill_batch_option, add_prefix_cache_option,
+                  add_quantize_option, add_verbose_option,
                   apply_draft_options, build_request, check_keys, default_model_dir,
                   load_error, read_lines)
 from .healing import Healer, heal_line
@@ -417,6 +417,7 @@ def parse_args(argv):
     p.add_argument("--max-batch", type=int, default=16)
     add_prefill_batch_option(p)
     add_prefix_cache_option(p)
+    add_deterministic_option(p)
     p.add_argument("--dtype", choices=("bfloat16", "float32"),
                    help="parameter / compute dtype (default: float32 on CPU, else the "
                         "checkpoint's)")
@@ -545,6 +546,7 @@ def evaluate(args, log) -> dict:
                          "repeat": args.repeat, "mesh": args.mesh,
                          "weights": mode_of(model.params),
                          "kv_dtype": args.kv_dtype, "prefix_cache": args.prefix_cache,
+                         "deterministic": args.deterministic,
                          "draft_vocab_size": cfg.draft_vocab_size or None,
                          "draft_head": cfg.draft_head,
                          "num_prompts": len(prompts),
@@ -563,7 +565,7 @@ def evaluate(args, log) -> dict:
     eng_cfg = EngineConfig(max_batch=args.max_batch, max_model_len=max_len,
                            prefill_chunk=min(256, max(16, 1 << (max_len - 1).bit_length())),
                            kv_dtype=args.kv_dtype, prefill_batch=args.prefill_batch,
-                           prefix_cache=args.prefix_cache)
+                           prefix_cache=args.prefix_cache, deterministic=args.deterministic)
     greedy = all(sp.temperature == 0 for _, sp, _ in prompts)
     report["methods"] = run_methods(model, requests, ids, args.methods, args.ks, eng_cfg,
                                     greedy, log, args.repeat, mesh)

@@ -42,8 +42,8 @@ from . import compile_cache
 from .checkpoint import CheckpointError, load
 from .chat import ChatError, load_chat_template
 from .cli import (GENERATION_FIELDS, INT32_MAX, Fatal, LineError, add_draft_options,
-                  add_healing_option, add_prefill_batch_option, add_prefix_cache_option,
-                  add_quantize_option, add_verbose_option,
+                  add_deterministic_option, add_healing_option, add_prefill_batch_option,
+                  add_prefix_cache_option, add_quantize_option, add_verbose_option,
                   apply_draft_options, build_request, check_keys, default_model_dir,
                   load_error, read_lines, sampling_defaults)
 from .compile_cache import add_compile_cache_option
@@ -134,6 +134,7 @@ def parse_args(argv):
     p.add_argument("--max-batch", type=int, default=8)
     add_prefill_batch_option(p)
     add_prefix_cache_option(p)
+    add_deterministic_option(p)
     p.add_argument("--max-model-len", type=int,
                    help="default: min(2048, the model's max_position_embeddings)")
     p.add_argument("--resume", action="store_true", help="skip ids already in --output")
@@ -272,7 +273,8 @@ def make_engine(args):
                                                      prefill_chunk=chunk,
                                                      kv_dtype=args.kv_dtype,
                                                      prefill_batch=args.prefill_batch,
-                                                     prefix_cache=args.prefix_cache),
+                                                     prefix_cache=args.prefix_cache,
+                                                     deterministic=args.deterministic),
                                         mesh=mesh)
     except (ConfigError, ValueError) as e:
         raise Fatal(str(e)) from None

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallas_kernels import invariant
 from pallas_kernels.common import swiglu
 from pallas_kernels.swiglu_matmul import swiglu_matmul
 from pallas_kernels.swiglu_matmul import use_kernel as use_swiglu_kernel
@@ -145,6 +146,7 @@ class MLP(nnx.Module):
         w = value(self.gate_up)
         b, t, d = x.shape
         if (not is_quantized(w) and w.dtype == x.dtype and one_device()
+                and not invariant.enabled()  # its tiles differ from the einsum's
                 and use_swiglu_kernel(b * t, d, w.shape[2], x.dtype)):
             # prefill-sized rows on a Hopper GPU: one kernel, the [rows, 2f] product never
             # written (pallas_kernels/swiglu_matmul.py)
@@ -173,7 +175,7 @@ def dense_attention(q, k, v, q_pos, k_pos, k_valid, window, sm_scale=None, v_dim
     g = n // kh
     sm_scale = h ** -0.5 if sm_scale is None else sm_scale
     qg = q.reshape(b, t, kh, g, h).astype(jnp.float32)
-    s = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(jnp.float32)) * sm_scale
+    s = invariant.einsum("btkgh,bskh->bkgts", qg, k.astype(jnp.float32), rows="t") * sm_scale
     mask = (k_pos[:, None, :] <= q_pos[:, :, None]) & k_valid[:, None, :]
     if window is not None:
         mask &= k_pos[:, None, :] > q_pos[:, :, None] - window
@@ -191,7 +193,7 @@ def dense_attention(q, k, v, q_pos, k_pos, k_valid, window, sm_scale=None, v_dim
     if sinks is not None:
         den = den + jnp.where(jnp.any(mask, axis=-1, keepdims=True), jnp.exp(sink - m), 0.0)
     p = p / jnp.maximum(den, 1e-30)
-    o = jnp.einsum("bkgts,bskh->btkgh", p, v.astype(jnp.float32))
+    o = invariant.einsum("bkgts,bskh->btkgh", p, v.astype(jnp.float32), rows="t")
     return o.reshape(b, t, n, v.shape[-1]).astype(q.dtype)
 
 

@@ -33,6 +33,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels import invariant
+
 from .dsa import Indexer, IndexQuery
 from .layers import RMSNorm, _param, apply_rope, rope_inv_freq
 from .quant import qeinsum
@@ -84,7 +86,7 @@ class MLAttention(nnx.Module):
         inv_freq, scale = rope_inv_freq(self.spec.rope)
         q_pe = apply_rope(q[..., p:], positions, inv_freq, scale)
         k_pe = apply_rope(kv[:, :, None, r:], positions, inv_freq, scale)
-        q_lat = jnp.einsum("btnp,npr->btnr", q[..., :p], self.w_uk[...])
+        q_lat = invariant.einsum("btnp,npr->btnr", q[..., :p], self.w_uk[...])
         q_all = jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1)
         kv_all = jnp.concatenate([latent[:, :, None], k_pe.astype(latent.dtype)], axis=-1)
         sparse = {}
@@ -93,7 +95,7 @@ class MLAttention(nnx.Module):
                                else IndexQuery(None, None, None, self.spec.indexer.index_topk))
         out = attend(layer, q_all, kv_all, None, self.spec.window,
                      sm_scale=self.spec.sm_scale, v_dim=r, **sparse)  # [b, t, n, r]
-        out = jnp.einsum("btnr,nrv->btnv", out, self.w_uv[...])
+        out = invariant.einsum("btnr,nrv->btnv", out, self.w_uv[...])
         return qeinsum("btnv,nvd->btd", out, self.o)
 
 

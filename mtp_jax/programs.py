@@ -42,7 +42,12 @@ def engine_config(model, config: Optional[EngineConfig], overrides: dict) -> Eng
     the power of two that runs them)."""
     eng = dataclasses.replace(config or EngineConfig(), **overrides)
     rows = eng.prefill_batch or (1 if jax.default_backend() == "cpu" else 8)
-    return dataclasses.replace(eng, prefill_batch=min(rows, 1 << (eng.max_batch - 1).bit_length()))
+    eng = dataclasses.replace(eng, prefill_batch=min(rows, 1 << (eng.max_batch - 1).bit_length()))
+    if eng.deterministic and eng.attention_backend is None:
+        # the jnp paged attention reads every row's pages in one fixed order; the kernels
+        # split the KV by batch and query length
+        eng = dataclasses.replace(eng, attention_backend="reference")
+    return eng
 
 
 class Runner:

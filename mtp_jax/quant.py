@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import invariant
+
 from .config import QUANT_MODES, ConfigError
 from .qarray import QArray, expand_scale, is_quantized, value
 from .sharding import one_device
@@ -217,15 +219,15 @@ def qeinsum(spec: str, x, w, *, preferred_element_type=None, kernel_rows=None):
     KERNEL_MAX_ROWS, PER_CHANNEL_KERNEL_MAX_ROWS)."""
     w = value(w)
     if not is_quantized(w):
-        return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
+        return invariant.einsum(spec, x, w, preferred_element_type=preferred_element_type)
     ins, out = spec.replace(" ", "").split("->")
     xs, ws = ins.split(",")
     out_dtype = preferred_element_type or x.dtype
     contract = [a for a, c in enumerate(ws) if c not in out]
     per_channel = all(w.scale.shape[a] == 1 for a in contract)
     mat = _as_matrix(xs, ws, out, x.shape, w, contract)
-    if mat is not None and _use_kernel(mat, w.scale.size // mat[2], per_channel,
-                                       w.values.dtype, kernel_rows):
+    if mat is not None and not invariant.enabled() and _use_kernel(
+            mat, w.scale.size // mat[2], per_channel, w.values.dtype, kernel_rows):
         from pallas_kernels.quant_matmul import quant_matmul
 
         m, k, n = mat
@@ -233,14 +235,15 @@ def qeinsum(spec: str, x, w, *, preferred_element_type=None, kernel_rows=None):
         return y.reshape(x.shape[: x.ndim - len(contract)] + w.shape[len(contract):]
                          ).astype(out_dtype)
     if per_channel:  # out * scale, exact
-        y = jnp.einsum(spec, x, w.values.astype(x.dtype), preferred_element_type=jnp.float32)
+        y = invariant.einsum(spec, x, w.values.astype(x.dtype),
+                             preferred_element_type=jnp.float32)
         keep = [c for a, c in enumerate(ws) if a not in contract]
         named = out.replace("...", "")  # the scale broadcasts over leading ellipsis dims
         s = w.scale.reshape([n for a, n in enumerate(w.scale.shape) if a not in contract])
         s = jnp.transpose(s, [keep.index(c) for c in named if c in keep])
         s = s.reshape([w.shape[ws.index(c)] if c in keep else 1 for c in named])
         return (y * s).astype(out_dtype)
-    return jnp.einsum(spec, x, w.dequantize(x.dtype), preferred_element_type=out_dtype)
+    return invariant.einsum(spec, x, w.dequantize(x.dtype), preferred_element_type=out_dtype)
 
 
 def _as_matrix(xs, ws, out, x_shape, w: QArray, contract):

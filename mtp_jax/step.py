@@ -39,6 +39,7 @@ from flax import nnx
 
 from jax.sharding import Mesh
 
+from pallas_kernels.invariant import row_invariant
 from pallas_kernels.shift_draft_inputs import shift_draft_inputs
 
 from . import compile_cache
@@ -674,9 +675,11 @@ class Programs:
             kw["out_shardings"] = (self.state_sharding, rep) if logits else self.state_sharding
         mesh = self.static.mesh
 
+        invariant = self.static.eng.deterministic
+
         @functools.wraps(fn)
         def traced(*args):  # model code (MoE) shards over the mesh it finds while tracing
-            with use_mesh(mesh):
+            with use_mesh(mesh), row_invariant(invariant):
                 return fn(*args)
 
         return self._stored(jax.jit(traced, donate_argnums=(1 if with_params else 0,), **kw),

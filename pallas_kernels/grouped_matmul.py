@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import invariant
 from pallas_kernels.common import (check_positive_ints, first_divisor, next_pow2,
                                    resolve_backend)
 from pallas_kernels.quant_matmul import VALUE_DTYPES, check_quantized
@@ -288,8 +289,8 @@ def _reference(x, w, group_ids, w_scale):
   expert = jnp.where(valid, group_ids, 0)
   wg = w[expert]                                                  # [N, K, M]
   if w_scale is None:
-    out = jnp.einsum("nk,nkm->nm", x, wg, precision=_precision(x.dtype),
-                     preferred_element_type=jnp.float32)
+    out = invariant.einsum("nk,nkm->nm", x, wg, rows="n", precision=_precision(x.dtype),
+                           preferred_element_type=jnp.float32)
   else:
     (n, k), s, m = x.shape, w_scale.shape[1], w.shape[2]
     parts = jnp.einsum("nsk,nskm->nsm", x.reshape(n, s, k // s),

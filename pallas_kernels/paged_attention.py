@@ -92,6 +92,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import invariant
 from pallas_kernels.common import (FP8_DTYPE, check_positive_ints, head_scales, next_pow2,
                                    resolve_backend, tree_rows, unpack_rows)
 
@@ -286,7 +287,7 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, *,
   qg = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
   if k_scale is not None:  # per kv head, folded into the logit scale
     sm_scale = sm_scale * k_scale.astype(jnp.float32).reshape(1, num_kv_heads, 1, 1, 1)
-  logits = jnp.einsum("bqhgd,hbkd->bhgqk", qg, k, precision=precision,
+  logits = invariant.einsum("bqhgd,hbkd->bhgqk", qg, k, rows="q", precision=precision,
                       preferred_element_type=jnp.float32) * sm_scale
   if soft_cap is not None:
     logits = soft_cap * jnp.tanh(logits / soft_cap)
@@ -315,7 +316,8 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, *,
   l = p.sum(axis=-1)                                              # [B, H, G, Q]
   if sinks is not None:
     l += jnp.exp(sink - m)[..., 0]
-  o = jnp.einsum("bhgqk,hbkd->bhgqd", p, v.astype(jnp.float32), precision=precision)
+  o = invariant.einsum("bhgqk,hbkd->bhgqd", p, v.astype(jnp.float32), rows="q",
+                       precision=precision)
   # Without sinks, l == 0 exactly when the row sees nothing (else the max term
   # contributes 1); a NaN key or value in a visible position must come out as NaN, not
   # be swallowed as 0. With sinks, such a row has o == 0 and l > 0: also 0.

@@ -65,6 +65,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import invariant
 from pallas_kernels.common import FP8_DTYPE, check_positive_ints, next_pow2, resolve_backend
 
 BACKEND_ENV_VAR = "MTP_JAX_MLA_BACKEND"
@@ -279,14 +280,14 @@ def paged_mla_reference(q, kv_pages, block_tables, kv_lens, *, v_dim, sm_scale,
   # Positions no row sees may hold anything (NaN included); 0 * NaN would leak through
   # the value einsum, so zero them rather than relying on p == 0.
   kv = jnp.where(mask.any(axis=1)[:, :, None], kv, 0)
-  logits = jnp.einsum("bqhd,bkd->bqhk", q, kv, precision=precision,
+  logits = invariant.einsum("bqhd,bkd->bqhk", q, kv, precision=precision,
                       preferred_element_type=jnp.float32) * sm_scale
   mask = mask[:, :, None, :]                                       # [B, Q, 1, K]
   logits = jnp.where(mask, logits, -jnp.inf)
   m = logits.max(axis=-1, keepdims=True)
   p = jnp.where(mask, jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
   l = p.sum(axis=-1)                                               # [B, Q, H]
-  o = jnp.einsum("bqhk,bkv->bqhv", p, kv[..., :v_dim].astype(jnp.float32),
+  o = invariant.einsum("bqhk,bkv->bqhv", p, kv[..., :v_dim].astype(jnp.float32),
                  precision=precision)
   # l == 0 exactly when the row sees nothing (else the max term contributes 1); a NaN
   # in a visible position must come out as NaN, not be swallowed as 0.
