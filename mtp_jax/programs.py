@@ -314,17 +314,20 @@ class Runner:
         prompt positions whose target and MTP KV the row's cached blocks hold (below the
         history end, prefix_cache.py): its chunks start there."""
         s, p = self.static, self.model.params
-        st = self.state
         logits = self.progs.no_logits(len(slots))
         history_end = (prompt_len - 1 - s.k).astype(np.int32)  # final windows start here
+        # the state after every program, so that a program that fails leaves the engine a
+        # live state (each call consumes the one before) to release the batch's slots from
         for c, start, valid in self.chunks(prompt_len, cached):
-            st, logits = self.progs.prefill_target(c)(p, st, slots, start, valid, logits,
-                                                      history_end)
+            self.state, logits = self.progs.prefill_target(c)(p, self.state, slots, start,
+                                                              valid, logits, history_end)
         if s.history_apart:
             for c, start, _ in self.chunks(history_end, cached):
-                st = self.progs.prefill_mtp(c)(p, st, slots, start, history_end)
+                self.state = self.progs.prefill_mtp(c)(p, self.state, slots, start,
+                                                       history_end)
         mask = self.first_allowed(allowed or [None] * len(slots))
-        self.state = self.progs.prefill_finish(sampled)(p, st, slots, logits, prompt_len, mask)
+        self.state = self.progs.prefill_finish(sampled)(p, self.state, slots, logits,
+                                                        prompt_len, mask)
 
     def grow(self, mask, rows, limit, pages) -> None:
         self.state = self.progs.grow(self.state, mask, rows, limit, pages)
