@@ -92,7 +92,7 @@ def test_report_schema(spec_run, files):
     keys = {"num_speculative_tokens", "max_speculative_tokens", "num_requests", "num_errors", "generated_tokens",
             "target_forwards", "mean_accepted_length", "acceptance_per_depth", "tokens_per_s",
             "speedup_vs_none", "wall_s", "compile_s", "lossless", "mismatched_ids",
-            "wall_s_runs", "spread", "noisy", "repeated_4gram_share"}
+            "wall_s_runs", "spread", "noisy", "repeated_4gram_share", "cached_prompt_tokens"}
     for m in rep["methods"].values():
         assert set(m) == keys
 

@@ -108,8 +108,8 @@ def test_chain_records_errors_and_summary(chain_run):
     for r, src in zip(sorted(ok, key=lambda r: str(r["id"])), sorted(
             VALID, key=lambda v: str(v.get("id", "line 4")))):
         assert set(r) == {"id", "text", "token_ids", "finish_reason", "num_prompt_tokens",
-                          "num_generated_tokens", "mean_accepted_length",
-                          "acceptance_per_depth"}
+                          "num_cached_prompt_tokens", "num_generated_tokens",
+                          "mean_accepted_length", "acceptance_per_depth"}
         assert r["finish_reason"] == "length"  # the random model has no EOS
         assert r["num_generated_tokens"] == len(r["token_ids"]) == src["max_tokens"]
         assert all(0 <= t < 100 for t in r["token_ids"])
@@ -245,8 +245,8 @@ def test_record_fields():
     res = Result("x", [4, 5, 6], "stop", 2, text="abc", num_steps=1, accepted_per_depth=[1, 0])
     assert record("x", res, True) == {
         "id": "x", "text": "abc", "token_ids": [4, 5, 6], "finish_reason": "stop",
-        "num_prompt_tokens": 2, "num_generated_tokens": 3, "mean_accepted_length": 1.5,
-        "acceptance_per_depth": [1.0, 0.0]}
+        "num_prompt_tokens": 2, "num_cached_prompt_tokens": 0, "num_generated_tokens": 3,
+        "mean_accepted_length": 1.5, "acceptance_per_depth": [1.0, 0.0]}
     assert "text" not in record("x", res, False)
     healed = Result("h", [4], "length", 3, text="x", healed="\n")  # token healing re-chose
     assert record("h", healed, True)["healed"] == "\n"
