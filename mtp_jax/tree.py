@@ -468,7 +468,16 @@ def select_tree(root_token, tokens, scores, parents, budget: int, max_depth: int
     up = jnp.take_along_axis(parents, chosen, axis=1)
     parent = jnp.where(up < 0, 0, jnp.take_along_axis(node_of, jnp.maximum(up, 0), axis=1))
     parent = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parent], axis=1)
-    n = budget + 1
+    node_tokens = jnp.concatenate([root_token[:, None].astype(jnp.int32),
+                                   jnp.take_along_axis(tokens, chosen, axis=1)], axis=1)
+    source = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), chosen], axis=1)
+    return tree_of(parent, max_depth), node_tokens, source
+
+
+def tree_of(parent, max_depth: int) -> Tree:
+    """The Tree of per-request parents [B, N] int32 (level order, -1 at the root; no node
+    deeper than max_depth): ancestors and depths follow."""
+    b, n = parent.shape
     eye = jnp.eye(n, dtype=bool)[None]
     up_idx = jnp.maximum(parent, 0)
     is_root = (parent < 0)[:, :, None]
@@ -476,10 +485,7 @@ def select_tree(root_token, tokens, scores, parents, budget: int, max_depth: int
     for _ in range(max_depth):  # each round completes one more depth's rows
         anc = eye | (~is_root & jnp.take_along_axis(anc, up_idx[:, :, None], axis=1))
     depth = jnp.sum(anc, axis=-1, dtype=jnp.int32) - 1
-    node_tokens = jnp.concatenate([root_token[:, None].astype(jnp.int32),
-                                   jnp.take_along_axis(tokens, chosen, axis=1)], axis=1)
-    source = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), chosen], axis=1)
-    return Tree(parent, depth, anc, max_depth), node_tokens, source
+    return Tree(parent, depth, anc, max_depth)
 
 
 # --------------------------------------------------------------------------- compaction
@@ -523,5 +529,5 @@ def compact_pages(pages, block_table, base, idx, n, page_size: int, limit):
 __all__ = ["TreeSpec", "TreeSpecError", "parse_tree_spec", "check_tree_method",
            "TREE_METHODS", "MAX_TREE_NODES", "StaticTree", "static_tree", "Tree",
            "sibling_rank", "path_to", "greedy_accept", "rejection_accept", "accept",
-           "draw_children", "expand", "top_nodes", "select_tree", "compaction_indices",
+           "draw_children", "expand", "top_nodes", "select_tree", "tree_of", "compaction_indices",
            "compact_rows", "compact_pages"]
