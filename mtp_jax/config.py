@@ -674,13 +674,13 @@ class SpecConfig:
 
     @property
     def write_ahead(self) -> int:
-        """KV positions past the committed length a step can write besides the committed
-        tokens: K for a chain; for a tree its verify rows past L - 1 and the drafting
-        nodes a step stores past the draft window (`tree_draft_nodes`)."""
+        """KV positions past the committed length L the steps can write: K for a chain; a
+        tree's verify writes L - 1 .. L + N - 2 and its drafting, after a step that
+        committed up to L', its expanded nodes from L' - 2 on (`tree_draft_nodes`)."""
         tree = self.tree
         if tree is None:
             return self.k
-        return max(self.k, tree.num_nodes - 1 + tree_draft_nodes(tree))
+        return max(self.k, tree.num_nodes - 1, tree_draft_nodes(tree))
 
     @property
     def strategy(self) -> Strategy:
