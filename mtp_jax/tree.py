@@ -418,7 +418,7 @@ def draw_children(logp, width: int, keys, temperature, *, sampled=True):
     top = jax.lax.top_k(logp, width)[1].astype(jnp.int32)
     if not sampled:
         return top
-    draws = jnp.stack([gumbel_argmax(logp, keys + jnp.uint32(k * _SIBLING))
+    draws = jnp.stack([gumbel_argmax(logp, keys + jnp.uint32(k * _SIBLING % 2**32))
                        for k in range(width)], axis=-1)
     hot = (temperature > 0)[:, None, None]
     return jax.lax.cond(jnp.any(temperature > 0), lambda: jnp.where(hot, draws, top),

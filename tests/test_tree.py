@@ -351,8 +351,9 @@ def test_accept_mixes_greedy_and_sampled_rows():
 def test_draw_children():
     """Greedy rows: the top `width`, best first. Sampled rows: the first child is what
     sampling.sample draws with the key, and the children are independent draws from the
-    distribution (chi-square of the first two siblings' joint against q x q)."""
-    rows, m, v, width = 20000, 1, 4, 3
+    distribution (chi-square of the first two siblings' joint against q x q; the last
+    ones' marginals: four siblings, whose keys' offsets pass 2^32)."""
+    rows, m, v, width = 20000, 1, 4, 4
     q = np.array([0.1, 0.2, 0.3, 0.4])
     logp = jnp.broadcast_to(jnp.log(jnp.asarray(q, jnp.float32)), (rows, m, v))
     seeds = jnp.asarray(np.stack([np.full(rows, 3), np.arange(rows)], 1), jnp.uint32)
@@ -360,7 +361,7 @@ def test_draw_children():
     temp = jnp.asarray(np.where(np.arange(rows) < 4, 0.0, 1.0), jnp.float32)
     kids = np.asarray(jax.jit(T.draw_children, static_argnums=1)(logp, width, keys, temp))
     assert kids.shape == (rows, m, width)
-    assert (kids[:4, 0] == [3, 2, 1]).all()
+    assert (kids[:4, 0] == [3, 2, 1, 0]).all()
     ones = jnp.ones((rows,), jnp.float32)
     first, _ = sample(logp[:, 0], temp, jnp.zeros((rows,), jnp.int32), ones, keys[:, 0])
     np.testing.assert_array_equal(kids[:, 0, 0], first)
@@ -369,10 +370,12 @@ def test_draw_children():
     np.add.at(joint, (hot[:, 0], hot[:, 1]), 1)
     stat, df = _chi2(joint.reshape(-1), np.outer(q, q).reshape(-1))
     assert stat < _chi2_crit(df), (stat, df)
-    stat, df = _chi2(np.bincount(hot[:, 2], minlength=v), q)
-    assert stat < _chi2_crit(df), (stat, df)
+    for k in (2, 3):
+        stat, df = _chi2(np.bincount(hot[:, k], minlength=v), q)
+        assert stat < _chi2_crit(df), (k, stat, df)
+    assert np.mean(hot[:, 3] == hot[:, 2]) < 0.5  # not one draw repeated
     greedy = T.draw_children(logp[:4], width, keys[:4], temp[:4], sampled=False)
-    assert (np.asarray(greedy)[:, 0] == [3, 2, 1]).all()
+    assert (np.asarray(greedy)[:, 0] == [3, 2, 1, 0]).all()
 
 
 def _grow(logp_fn, root, depth, topk):
