@@ -123,6 +123,9 @@ def draft_tree(model, strategy: Strategy, spec, kv, win_tokens, win_hidden, win_
     the chain). A module's tree rows are stored from its first draft position on, at
     that position plus the node's index among the expanded nodes (`slot`).
 
+    A static tree's sampled rows draw each node's children without replacement (no
+    duplicate siblings; the first is the chain's draft).
+
     Returns (parent [b, N] int32 (level order, -1 at the root), tokens [b, N] int32 (the
     root's first: the last committed token), draft_logp [b, N, v] or None (row i: what
     node i's children were drawn from, for a static tree's sampled rows; None for a
@@ -207,7 +210,8 @@ def draft_tree(model, strategy: Strategy, spec, kv, win_tokens, win_hidden, win_
                 else logits
             keys = jnp.broadcast_to(row_keys(sp.seed, (a + 2 + e)[:, None], SALT_DRAFT),
                                     (b, m_e))
-            kids = T.draw_children(logp, bw, keys, sp.temperature, sampled=sampled)
+            kids = T.draw_children(logp, bw, keys, sp.temperature, sampled=sampled,
+                                   distinct=True)
             logps.append(logp)
             levels.append(kids.reshape(b, m_e * bw))
             if e + 1 < depth_total:  # the children are expanded next

@@ -364,7 +364,7 @@ def _verify_tree(model, s: Static, st: DecodeState, kv: PagedKV, run):
         logp = None if s.tree.dynamic else st.draft_logp
         n, path, new_toks = trees.accept(
             tree, logits, toks, logp, length[:, None] + jnp.arange(s.k + 1), sp.seed,
-            sp.temperature, sp.top_k, sp.top_p, sampled=s.sampled)
+            sp.temperature, sp.top_k, sp.top_p, sampled=s.sampled, distinct=logp is not None)
     with jax.named_scope("compact"):
         order = trees.compaction_indices(path, n, n_nodes)
         finite = trees.compact_rows(jnp.all(jnp.isfinite(logits), axis=-1), order)
