@@ -8,8 +8,9 @@ For each temperature, the same requests (the first --limit prompts of --dataset,
 the shipped model's held-out package prompts) run through `none`, each method at K=3
 and each method with each tree (evaluate.run_methods, one warmed-up engine at a time).
 Reports per run the generated tokens per target forward (each request's prefill counts
-as one forward, as in evaluate's `mean_accepted_length`), the acceptance per depth and
-the ratio to the method's chain of K=3. Greedy rows must equal `none`'s output (the
+as one forward, as in evaluate's `mean_accepted_length`), the tokens per verify step
+(the prefill's token and forward left out), the acceptance per depth and the ratios to
+the method's chain of K=3. Greedy rows must equal `none`'s output (the
 script fails otherwise); at a temperature above 0 each request draws with its own seed,
 so the chain and the trees sample the same distribution by different draws. Runs on a
 CPU (the shipped model is small); tokens/s on a CPU say nothing of a GPU's, see
@@ -56,17 +57,21 @@ def measure(model, dataset: str, limit: int, max_tokens: int, temperature: float
                            prefill_chunk=min(256, max(16, 1 << (max_len - 1).bit_length())))
     rows = run_methods(model, requests, ids, methods, (3,), eng_cfg, temperature == 0, log,
                        trees=trees)
+    for row in rows.values():
+        steps = row["target_forwards"] - row["num_requests"]
+        row["tokens_per_step"] = (row["generated_tokens"] - row["num_requests"]) / max(1, steps)
     for method in methods:
-        chain = rows[f"{method}/3"]["mean_accepted_length"]
+        chain = rows[f"{method}/3"]
         for tree in trees:
             row = rows[f"{method}/tree:{tree}"]
-            row["vs_chain"] = row["mean_accepted_length"] / chain
+            row["vs_chain"] = row["mean_accepted_length"] / chain["mean_accepted_length"]
+            row["step_vs_chain"] = row["tokens_per_step"] / chain["tokens_per_step"]
     return rows
 
 
 def table(results: dict) -> str:
-    head = (f"{'T':>4}  {'run':<22}{'tokens/pass':>12} {'vs K=3':>7}  "
-            f"{'acceptance per depth':<20}{'lossless':>9}")
+    head = (f"{'T':>4}  {'run':<22}{'tokens/pass':>12} {'vs K=3':>7} {'tokens/step':>12} "
+            f"{'vs K=3':>7}  {'acceptance per depth':<20}{'lossless':>9}")
     lines = [head, "-" * len(head)]
     for t, rows in results.items():
         for name, r in rows.items():
@@ -74,9 +79,11 @@ def table(results: dict) -> str:
                 continue
             depth = " ".join(f"{a:.2f}" for a in r["acceptance_per_depth"])
             vs = f"{r['vs_chain']:.3f}" if "vs_chain" in r else "1"
+            step_vs = f"{r['step_vs_chain']:.3f}" if "step_vs_chain" in r else "1"
             lossless = {None: "n/a", True: "yes", False: "NO"}[r["lossless"]]
-            lines.append(f"{t:>4}  {name:<22}{r['mean_accepted_length']:>12.3f} {vs:>7}  "
-                         f"{depth:<20}{lossless:>9}")
+            lines.append(f"{t:>4}  {name:<22}{r['mean_accepted_length']:>12.3f} {vs:>7} "
+                         f"{r['tokens_per_step']:>12.3f} {step_vs:>7}  {depth:<20}"
+                         f"{lossless:>9}")
     return "\n".join(lines)
 
 
