@@ -29,9 +29,11 @@ Each method is a `strategies.Strategy`; the passes below read its fields.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
-from .sampling import SALT_DRAFT, SALT_TARGET, row_keys, sample
+from . import tree as T
+from .sampling import SALT_DRAFT, SALT_TARGET, process_logits, row_keys, sample
 from .strategies import CHAINED, Strategy
 
 
@@ -132,10 +134,6 @@ def draft_tree(model, strategy: Strategy, spec, kv, win_tokens, win_hidden, win_
     dynamic tree, whose children are the draft's top-k, and when `sampled` is False),
     slot [b, N] int32 (the node's index among the expanded nodes, -1 for the others)).
     """
-    from . import tree as T
-    from .sampling import process_logits
-    import jax
-
     cfg = model.cfg
     b, w = win_tokens.shape
     k = w - 1
@@ -164,7 +162,8 @@ def draft_tree(model, strategy: Strategy, spec, kv, win_tokens, win_hidden, win_
         if strategy.over_window:
             mod = strategy.module_at(e)
             c = k - e  # committed slots before the root
-            q_toks = jnp.concatenate([win_tokens[:, e:k], toks], axis=1)
+            # a sibling drawn past the draft's support is -1: fed as 0, never accepted
+            q_toks = jnp.concatenate([win_tokens[:, e:k], jnp.maximum(toks, 0)], axis=1)
             if previous:
                 parent_h = jnp.take_along_axis(node_h, jnp.maximum(par, 0)[..., None], axis=1) \
                     if e else None
@@ -199,7 +198,7 @@ def draft_tree(model, strategy: Strategy, spec, kv, win_tokens, win_hidden, win_
                     jnp.broadcast_to(win_hidden[:, -1:], (b, m_e, win_hidden.shape[-1]))
                 rope = jnp.broadcast_to((a + e)[:, None], (b, m_e))
                 store = a[:, None] + jnp.arange(n_exp - m_e, n_exp)
-                hout, normed = model.draft(0, toks[:, lvl], q_h, rope, kv.attend(
+                hout, normed = model.draft(0, jnp.maximum(toks[:, lvl], 0), q_h, rope, kv.attend(
                     store, a + n_exp, tree_mask=anc[:, lvl, :n_exp]))
                 node_h = jnp.concatenate([node_h, hout.astype(node_h.dtype)], axis=1)
         logits = model.draft_logits(mod, normed[:, -m_e:])  # [b, m_e, V]
