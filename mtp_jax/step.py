@@ -9,6 +9,10 @@ The speculative step (fixed shapes, no host sync, no Python branch on data):
   4. carry: `shift_draft_inputs` turns the history carry + verify outputs into the draft
      window of the K+1 newest committed positions and the next carry;
   5. draft K tokens for the next step with the chosen strategy (drafting.draft).
+With a draft tree (`SpecConfig.draft_tree`, tree.py) step 1 verifies the tree's N nodes in
+one pass under its ancestor mask, step 2 walks the tree (`tree.accept`), the accepted
+path's KV rows and hiddens are compacted into place before step 4, and step 5 drafts the
+next tree a depth per module call (`drafting.draft_tree`).
 Rollback is free: writes are position-indexed and attention is masked by length, so only
 the committed length moves. Linear-attention layers (Gated DeltaNet) carry a state per
 slot instead: the verify keeps the state after each of its K+1 tokens and the accepted
