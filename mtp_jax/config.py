@@ -18,6 +18,7 @@ assignment.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from typing import Optional, Union
 
@@ -597,6 +598,12 @@ class SpecConfig:
     (mtp_jax.adaptive). Sampled rows then verify by coupled sampling (a draft is accepted
     when it equals the target's own seeded sample at its position), so sampled output is
     the same whatever K each dispatch chose; with a fixed K, rejection sampling.
+    draft_tree: None (a chain of K drafts), or a draft tree (`--draft-tree`, mtp_jax/tree.py):
+    per-depth branching such as "2,2,1", or "budget:N[,depth:D][,topk:W]"; all its nodes are
+    verified in one target pass. K is the tree's depth (a static tree's branching count, a
+    dynamic one's D, else K); the speculation is fixed (not adaptive). Methods `chain` and
+    `eagle` only, and neither relaxed acceptance nor a latent-attention (MLA / DSA) or
+    linear-attention (Gated DeltaNet) model.
     `relaxed_*`: TensorRT-LLM style relaxed acceptance for thinking phases, off by default;
     when on, a request in a thinking phase (between `think_begin_id` and `think_end_id`)
     accepts a greedy draft that is among the target's top `relaxed_topk` tokens and within
@@ -611,10 +618,13 @@ class SpecConfig:
     think_begin_id: int = -1
     think_end_id: int = -1
     adaptive: bool = False
+    draft_tree: Optional[str] = None
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ConfigError(f"method {self.method!r} not in {METHODS}")
+        if self.draft_tree is not None:
+            self._check_tree()
         k = self.num_speculative_tokens
         if isinstance(k, str):
             if k.strip().lower() != AUTO:
@@ -630,6 +640,47 @@ class SpecConfig:
             object.__setattr__(self, "adaptive", False)
         if self.relaxed_acceptance and (self.relaxed_topk < 1 or not 0 <= self.relaxed_delta <= 1):
             raise ConfigError("relaxed_topk must be >= 1 and relaxed_delta in [0, 1]")
+
+    def _check_tree(self) -> None:
+        """ConfigError for a draft tree this spec cannot draft; a static tree's depth is K
+        (set when K is "auto"), and a tree's speculation is fixed."""
+        from .tree import TreeSpecError, check_tree_method, parse_tree_spec
+        try:
+            tree = parse_tree_spec(self.draft_tree)
+        except TreeSpecError as e:
+            raise ConfigError(str(e)) from None
+        err = check_tree_method(self.method)
+        if err:
+            raise ConfigError(err)
+        if self.relaxed_acceptance:
+            raise ConfigError("--draft-tree does not combine with relaxed acceptance (it "
+                              "accepts a chain's drafts by the target's top-k)")
+        k = self.num_speculative_tokens
+        depth = tree.max_depth
+        if depth is not None and not self.auto and k != depth:
+            raise ConfigError(f"draft tree {self.draft_tree!r} is {depth} deep but "
+                              f"num_speculative_tokens is {k}: give the same or 'auto'")
+        if depth is not None and self.auto:
+            object.__setattr__(self, "num_speculative_tokens", depth)
+        object.__setattr__(self, "adaptive", False)
+
+    @property
+    def tree(self):
+        """The draft tree (tree.TreeSpec, a dynamic one's depth set to K), or None."""
+        if self.draft_tree is None:
+            return None
+        from .tree import parse_tree_spec
+        return parse_tree_spec(self.draft_tree).with_depth(self.k)
+
+    @property
+    def write_ahead(self) -> int:
+        """KV positions past the committed length L the steps can write: K for a chain; a
+        tree's verify writes L - 1 .. L + N - 2 and its drafting, after a step that
+        committed up to L', its expanded nodes from L' - 2 on (`tree_draft_nodes`)."""
+        tree = self.tree
+        if tree is None:
+            return self.k
+        return max(self.k, tree.num_nodes - 1, tree_draft_nodes(tree))
 
     @property
     def strategy(self) -> Strategy:
@@ -656,6 +707,10 @@ class SpecConfig:
         spec = self
         if self.auto:
             strategy = self.strategy
+            if self.draft_tree is not None:  # a dynamic tree of the method's K, fixed
+                return dataclasses.replace(
+                    self, num_speculative_tokens=strategy.auto_k(cfg.num_mtp_modules)
+                ).resolve(cfg)
             spec = dataclasses.replace(self, adaptive=strategy.speculative,
                                        num_speculative_tokens=strategy.auto_k(
                                            cfg.num_mtp_modules))
@@ -669,6 +724,26 @@ class SpecConfig:
         err = self.strategy.check_k(self.num_speculative_tokens, cfg.num_mtp_modules)
         if err:
             raise ConfigError(err)
+        if self.draft_tree is not None:
+            if cfg.mla is not None:
+                raise ConfigError("--draft-tree needs GQA attention: latent attention (MLA, "
+                                  "DSA) has no tree-masked paged kernel")
+            if any(cfg.is_linear(i) for i in range(cfg.num_layers_total)):
+                raise ConfigError("--draft-tree does not run on linear-attention (Gated "
+                                  "DeltaNet) layers: their state follows one token sequence")
+            from .tree import TreeSpecError
+            try:
+                self.tree
+            except TreeSpecError as e:
+                raise ConfigError(str(e)) from None
+
+
+def tree_draft_nodes(tree) -> int:
+    """Nodes a tree's drafting runs its modules over (those it expands, depths 0..D-1):
+    a static tree's levels but its last, a dynamic one's root and `topk` nodes a depth."""
+    if tree.dynamic:
+        return 1 + tree.topk * (tree.max_depth - 1)
+    return tree.num_nodes - math.prod(tree.branching)
 
 
 def parse_num_speculative_tokens(text: str):

@@ -54,7 +54,7 @@ class Engine:
         self.sched = Scheduler(self.layout, Limits(
             eng.max_batch, eng.max_model_len, spec.k, model.config.vocab_size,
             eng.max_stop_ids, model.stop_token_ids, pin_sampled=not static.coupled,
-            prefix_cache=eng.prefix_cache))
+            prefix_cache=eng.prefix_cache, write_ahead=spec.write_ahead))
         self.compile_seconds = 0.0
         self.control = KController(spec.k) if spec.adaptive else None
         self.step_prior = None  # seconds per step of each kind at warmup (adaptive only)

@@ -165,7 +165,8 @@ def method_stats(results, reference, wall_s: float, compile_s: float, spec: Spec
         differ = [ids[i] for i, (a, b) in enumerate(zip(results, ref))
                   if a.token_ids != b.token_ids or a.finish_reason != b.finish_reason]
     row = {"num_speculative_tokens": "auto" if spec.adaptive else k,
-            "max_speculative_tokens": k, "num_requests": len(results),
+            "max_speculative_tokens": k, "draft_tree": spec.draft_tree,
+            "num_requests": len(results),
             "num_errors": sum(r.finish_reason == "error" for r in results),
             "generated_tokens": gen, "target_forwards": fwd,
             "mean_accepted_length": gen / fwd if fwd else 0.0,
@@ -184,10 +185,11 @@ def method_stats(results, reference, wall_s: float, compile_s: float, spec: Spec
 
 
 def run_methods(model, requests, ids, methods, ks, eng_cfg: EngineConfig, greedy, log,
-                repeat: int = 1, mesh=None) -> dict:
-    """`none` first, then each method at each K of `ks` ("auto" or integers), on fresh
-    warmed-up engines of one configuration (over `mesh` if given). Rows are named by the
-    method, or `method/K` when several K run.
+                repeat: int = 1, mesh=None, trees=()) -> dict:
+    """`none` first, then each method at each K of `ks` ("auto" or integers), then each
+    method with each draft tree of `trees` (`--draft-tree` shapes), on fresh warmed-up
+    engines of one configuration (over `mesh` if given). Rows are named by the method, or
+    `method/K` when several K run, and `method/tree:SHAPE` for a tree.
 
     With `repeat` > 1 every engine stays alive and the job runs in `repeat` rounds, each
     round every engine once in the same order (adaptive K learning from scratch each
@@ -196,17 +198,18 @@ def run_methods(model, requests, ids, methods, ks, eng_cfg: EngineConfig, greedy
     machine's moods, not the methods. With `repeat` 1, one engine is alive at a time."""
     from .engine import Engine
 
-    runs = [("none", "none", 1)] + [(m if len(ks) == 1 else f"{m}/{k}", m, k)
-                                    for m in methods for k in ks]
+    runs = [("none", SpecConfig("none", num_speculative_tokens=1))]
+    runs += [(m if len(ks) == 1 and not trees else f"{m}/{k}",
+              SpecConfig(m, num_speculative_tokens=k)) for m in methods for k in ks]
+    runs += [(f"{m}/tree:{t}", SpecConfig(m, draft_tree=t)) for m in methods for t in trees]
     rows: dict = {}
     best: dict = {}  # name -> (wall, results, controller)
-    walls: dict = {name: [] for name, _, _ in runs}
+    walls: dict = {name: [] for name, _ in runs}
 
-    def build(name, method, k):
+    def build(name, spec):
         t0 = time.perf_counter()
         try:
-            engine = Engine(model, SpecConfig(method, num_speculative_tokens=k), eng_cfg,
-                            mesh=mesh)
+            engine = Engine(model, spec, eng_cfg, mesh=mesh)
         except (ConfigError, ValueError) as e:  # a mesh the model or batch cannot split over
             raise Fatal(str(e)) from None
         engine.warmup(requests)
@@ -239,13 +242,13 @@ def run_methods(model, requests, ids, methods, ks, eng_cfg: EngineConfig, greedy
             + (f", dispatches per K {row['k_dispatches']}" if "k_dispatches" in row else ""))
 
     if repeat == 1:
-        for name, method, k in runs:
-            engine, compile_s = build(name, method, k)
+        for name, spec in runs:
+            engine, compile_s = build(name, spec)
             run(name, engine)
             finish(name, engine, compile_s)
             del engine  # its KV pages: one engine's worth of memory at a time
     else:
-        engines = {name: build(name, method, k) for name, method, k in runs}
+        engines = {name: build(name, spec) for name, spec in runs}
         for name in rounds(list(engines), repeat):
             run(name, engines[name][0])
         for name, (engine, compile_s) in engines.items():
@@ -413,6 +416,11 @@ def parse_args(argv):
     p.add_argument("--num-speculative-tokens", default="auto", metavar="auto|K[,...]",
                    help="drafts per step: auto (adaptive, the default) or an integer, or a "
                         "comma-separated list of them to compare (e.g. auto,1,2,3)")
+    p.add_argument("--draft-tree", action="append", default=[], metavar="SHAPE",
+                   help="also run each method with this draft tree (several candidates per "
+                        "depth, verified in one target pass): per-depth branching such as "
+                        "2,2,1, or budget:N[,depth:D][,topk:W]; repeat the option to "
+                        "compare several")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-batch", type=int, default=16)
     add_prefill_batch_option(p)
@@ -490,6 +498,8 @@ def num_drafts(args, cfg) -> int:
     try:
         specs = [SpecConfig(m, num_speculative_tokens=k).resolve(cfg)
                  for m in args.methods for k in args.ks]
+        specs += [SpecConfig(m, draft_tree=t).resolve(cfg)
+                  for m in args.methods for t in args.draft_tree]
     except ConfigError as e:
         raise Fatal(str(e)) from None
     if args.teacher_forced:
@@ -541,6 +551,7 @@ def evaluate(args, log) -> dict:
     report = {"config": {"model": str(model_dir), "layout": cfg.layout,
                          "methods": ["none", *args.methods],
                          "num_speculative_tokens": list(args.ks),
+                         "draft_trees": list(args.draft_tree),
                          "max_tokens": args.max_tokens, "max_batch": args.max_batch,
                          "max_model_len": max_len, "dataset": args.dataset,
                          "repeat": args.repeat, "mesh": args.mesh,
@@ -568,7 +579,7 @@ def evaluate(args, log) -> dict:
                            prefix_cache=args.prefix_cache, deterministic=args.deterministic)
     greedy = all(sp.temperature == 0 for _, sp, _ in prompts)
     report["methods"] = run_methods(model, requests, ids, args.methods, args.ks, eng_cfg,
-                                    greedy, log, args.repeat, mesh)
+                                    greedy, log, args.repeat, mesh, tuple(args.draft_tree))
     return report
 
 

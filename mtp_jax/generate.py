@@ -117,6 +117,11 @@ def parse_args(argv):
                    help="drafts per step: auto (default) picks 0..K for every dispatch, K "
                         "being the MTP module count (3 for eagle), from measured acceptance "
                         "and step costs; an integer fixes it")
+    p.add_argument("--draft-tree", metavar="SHAPE",
+                   help="draft a tree, several candidates per depth verified in one target "
+                        "pass (methods chain and eagle): per-depth branching such as 2,2,1 "
+                        "(K is its depth), or budget:N[,depth:D][,topk:W] (the N likeliest "
+                        "of the topk best children of the topk best nodes a depth, D = K)")
     p.add_argument("--temperature", type=float,
                    help="default: the checkpoint's generation_config.json, else 0 (greedy)")
     p.add_argument("--top-p", type=float, help="default: generation_config.json's, else 1")
@@ -267,7 +272,8 @@ def make_engine(args):
     # Prefill chunks longer than max_model_len would only add compiled programs.
     chunk = min(256, max(16, 1 << (max_len - 1).bit_length()))
     try:
-        return model_dir, model, Engine(model, SpecConfig(method, num_speculative_tokens=k),
+        spec = SpecConfig(method, num_speculative_tokens=k, draft_tree=args.draft_tree)
+        return model_dir, model, Engine(model, spec,
                                         EngineConfig(max_batch=args.max_batch,
                                                      max_model_len=max_len,
                                                      prefill_chunk=chunk,

@@ -49,6 +49,7 @@ from .model import cache_entry
 from .pages import PageAllocator  # noqa: F401  (host-side, jax-free; re-exported)
 from .quant import FP8_KV_DTYPE, FP8_MAX, latent_row_scale
 from .sharding import P, batch_axis, kv_heads_axis, shard_kernel
+from .tree import compact_pages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,9 +302,12 @@ class PagedKV:
         new = tuple(jnp.where(jnp.isfinite(x), x, jnp.zeros_like(x)) for x in new)
         return tuple(fn(*pages, *new, slots, *scales))
 
-    def _attend(self, q, pages, table, kv_lens, window, sm_scale, v_dim, sinks, scales):
+    def _attend(self, q, pages, table, kv_lens, window, sm_scale, v_dim, sinks, scales,
+                tree_mask=None):
         dp, tp = self.dp, kv_heads_axis(self.mesh, pages[0].shape[0])
         if self.layout.latent:
+            if tree_mask is not None:
+                raise ValueError("latent attention (paged_mla) takes no tree mask")
             # One latent row per token serves every head: the pages are replicated over
             # tp and the query heads split over it.
             heads = kv_heads_axis(self.mesh, q.shape[2])
@@ -318,24 +322,41 @@ class PagedKV:
                                                 P(dp)) + (P(None),) * len(scales), rows)
             return fn(q, pages[0], table, kv_lens, *scales)
 
-        has_sinks = sinks is not None
+        has_sinks, has_tree = sinks is not None, tree_mask is not None
 
         def attn(q, kp, vp, table, kv_lens, *extra):
+            tree = extra[0] if has_tree else None
+            extra = extra[has_tree:]
             sink = extra[0] if has_sinks else None
             k_scale, v_scale = extra[has_sinks:] or (None, None)
             return paged_attention(q, kp, vp, table, kv_lens, sliding_window=window,
                                    sm_scale=sm_scale, sinks=sink, k_scale=k_scale,
-                                   v_scale=v_scale, backend=self.backend)
+                                   v_scale=v_scale, tree_mask=tree, backend=self.backend)
 
         page = P(tp, None, None, None)
         rows = P(dp, None, tp, None)
+        tree = () if tree_mask is None else (tree_mask,)
         extra = (() if sinks is None else (sinks,)) + tuple(scales)
         fn = shard_kernel(attn, self.mesh, (rows, page, page, P(dp, None), P(dp))
-                          + (P(tp),) * len(extra), rows)
-        return fn(q, *pages, table, kv_lens, *extra)
+                          + (P(dp, None, None),) * len(tree) + (P(tp),) * len(extra), rows)
+        return fn(q, *pages, table, kv_lens, *tree, *extra)
 
-    def attend(self, positions, kv_lens):
-        return _Attend(self, positions, kv_lens)
+    def attend(self, positions, kv_lens, tree_mask=None):
+        """The backend of one forward over positions [b, t] (where its keys are stored).
+        tree_mask None: the positions are consecutive and attend causally up to kv_lens - 1;
+        [b, t, T] bool: the last T positions before kv_lens hold a draft tree's rows and the
+        forward's t queries are its last t; each sees the positions before the tree and the
+        tree rows its mask names (paged_attention's tree_mask)."""
+        return _Attend(self, positions, kv_lens, tree_mask)
+
+    def compact(self, layers, base, idx, n):
+        """Move a draft tree's accepted rows into place in the pages of `layers`: the row
+        of node idx[:, d] (stored at base + idx) to base + d for 1 <= d <= n
+        (tree.compact_pages; writes outside [0, limit) dropped)."""
+        for layer in layers:
+            g = self.layout.layer_group[layer]
+            self.caches[layer] = compact_pages(self.caches[layer], self.block_tables[g], base,
+                                               idx, n, self.layout.page_size, self.limit)
 
     def _attend_sparse(self, layer, q, kv, index, slots, table, kv_lens, sm_scale, v_dim,
                        selected):
@@ -441,8 +462,9 @@ class _Attend:
     writes the new keys by slot mapping, dropping positions outside [0, limit), then
     attends; `gdn` runs a linear-attention layer over the per-slot states."""
 
-    def __init__(self, kv: PagedKV, positions, kv_lens):
+    def __init__(self, kv: PagedKV, positions, kv_lens, tree_mask=None):
         self.kv, self.positions, self.kv_lens = kv, positions, kv_lens
+        self.tree_mask = tree_mask
         self.slots = [slot_mapping(bt, positions, kv.layout.page_size, kv.limit)
                       for bt in kv.block_tables]
         self.selected = {}  # DSA: the last layer's selection, for a layer that reuses it
@@ -460,7 +482,7 @@ class _Attend:
         pages = kv._write(kv.caches[layer], k, v, self.slots[g], scales, v_dim)
         kv.caches[layer] = pages
         return kv._attend(q, pages, kv.block_tables[g], self.kv_lens, window, sm_scale,
-                          v_dim, sinks, scales)
+                          v_dim, sinks, scales, self.tree_mask)
 
     def gdn(self, layer, mix):
         return self.kv.gdn(layer, mix, self.positions)

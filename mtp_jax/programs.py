@@ -67,7 +67,8 @@ class Runner:
                 jax.tree_util.tree_map(lambda x: x, model.params), mesh))
         self.model, self.spec, self.config, self.mesh = model, spec, eng, mesh
         k = spec.k
-        self.layout = make_layout(model.config, eng, k, model.dtype,
+        # the pages a request holds cover what its steps write past its length
+        self.layout = make_layout(model.config, eng, spec.write_ahead, model.dtype,
                                   mtp_layers=spec.strategy.modules(k), scales=scales)
         check_kernels(self.layout, eng, model.config)
         # prefix caching is host-side only: it must not key the compiled programs

@@ -70,13 +70,16 @@ def uniform(keys):
     return _unit(_mix(keys ^ jnp.uint32(0x5BD1E995)))
 
 
-def gumbel_argmax(logp, keys):
-    """Sample from log-probs [..., v] with one key per row [...] (Gumbel-max)."""
-    v = logp.shape[-1]
+def gumbel_noise(keys, v: int):
+    """[..., v] standard Gumbel noise, one stream per key of keys [...]."""
     idx = jnp.arange(v, dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)
     u = _unit(_mix(_mix(keys[..., None] + idx) ^ keys[..., None]))
-    g = -jnp.log(-jnp.log(u))
-    return jnp.argmax(logp + g, axis=-1).astype(jnp.int32)
+    return -jnp.log(-jnp.log(u))
+
+
+def gumbel_argmax(logp, keys):
+    """Sample from log-probs [..., v] with one key per row [...] (Gumbel-max)."""
+    return jnp.argmax(logp + gumbel_noise(keys, logp.shape[-1]), axis=-1).astype(jnp.int32)
 
 
 def _filter_sorted(logits, top_k, top_p):

@@ -95,6 +95,13 @@ class Limits:
     eos_token_ids: tuple = ()
     pin_sampled: bool = False  # sampled requests verify by rejection sampling at a fixed K
     prefix_cache: bool = False  # share the KV of full prompt blocks (prefix_cache.py)
+    # KV positions past the committed length a step may write besides the committed
+    # tokens (SpecConfig.write_ahead: a draft tree's nodes); None: k
+    write_ahead: Optional[int] = None
+
+    @property
+    def ahead(self) -> int:
+        return self.k if self.write_ahead is None else self.write_ahead
 
 
 class Scheduler:
@@ -131,16 +138,18 @@ class Scheduler:
         return min(req.sampling.max_tokens, self.limits.max_model_len - len(req.prompt_ids))
 
     def reserve_tokens(self, req) -> int:
-        """KV positions the request can ever write: prompt + budget + K."""
+        """KV positions the request can ever write: prompt + budget + K (a tree: its
+        write-ahead)."""
         lim = self.limits
-        return min(len(req.prompt_ids) + self.budget(req) + lim.k, lim.max_model_len + lim.k)
+        return min(len(req.prompt_ids) + self.budget(req) + lim.ahead,
+                   lim.max_model_len + lim.ahead)
 
     def admit_tokens(self, req) -> int:
         """KV positions held at admission: the prompt, the first token and the first
         draft window's writes (the dispatches grow it); a pinned request's whole need."""
         if self.pinned(req):
             return self.reserve_tokens(req)
-        return min(len(req.prompt_ids) + 1 + self.limits.k, self.reserve_tokens(req))
+        return min(len(req.prompt_ids) + 1 + self.limits.ahead, self.reserve_tokens(req))
 
     def pinned(self, req) -> bool:
         """A sampled request verified by rejection sampling (a fixed K) is never
@@ -374,7 +383,7 @@ class Scheduler:
             if x is None:
                 continue
             length = len(x.req.prompt_ids) + int(self.generated[i])
-            want = min(length + steps * (k + 1) + k, self.reserve_tokens(x.req))
+            want = min(length + steps * (k + 1) + self.limits.ahead, self.reserve_tokens(x.req))
             if want > x.tokens:
                 need[i] = want
         return need

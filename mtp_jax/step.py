@@ -9,6 +9,10 @@ The speculative step (fixed shapes, no host sync, no Python branch on data):
   4. carry: `shift_draft_inputs` turns the history carry + verify outputs into the draft
      window of the K+1 newest committed positions and the next carry;
   5. draft K tokens for the next step with the chosen strategy (drafting.draft).
+With a draft tree (`SpecConfig.draft_tree`, tree.py) step 1 verifies the tree's N nodes in
+one pass under its ancestor mask, step 2 walks the tree (`tree.accept`), the accepted
+path's KV rows and hiddens are compacted into place before step 4, and step 5 drafts the
+next tree a depth per module call (`drafting.draft_tree`).
 Rollback is free: writes are position-indexed and attention is masked by length, so only
 the committed length moves. Linear-attention layers (Gated DeltaNet) carry a state per
 slot instead: the verify keeps the state after each of its K+1 tokens and the accepted
@@ -44,9 +48,10 @@ from pallas_kernels.shift_draft_inputs import shift_draft_inputs
 
 from . import compile_cache
 from .config import EngineConfig, ModelConfig, SpecConfig
-from .drafting import draft, mtp_prefill
+from .drafting import draft, draft_tree, mtp_prefill
 from .kv_cache import KVLayout, PagedKV, init_caches
 from .sampling import SALT_TARGET, accept, row_keys, sample
+from . import tree as trees
 from .sharding import P, axis_size, batch_axis, shard_kernel, use_mesh
 
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH, FINISH_ERROR = 0, 1, 2, 3
@@ -77,9 +82,15 @@ class DecodeState:
     relaxed: jax.Array  # [B] bool   request allows relaxed acceptance
     think: jax.Array  # [B] bool   inside a thinking phase
     # speculation
-    drafts: jax.Array  # [B, K] int32  drafts for the next verify (-1: none at that depth)
+    drafts: jax.Array  # [B, K] int32  drafts for the next verify (-1: none at that depth);
+    #                    with a draft tree [B, N - 1]: its nodes' tokens but the root's
     draft_logp: jax.Array  # [B, K, V] f32  their processed draft log-probs ([B, K, 0] when
-    #                        sampled rows verify by coupling, which does not read them)
+    #                        sampled rows verify by coupling, which does not read them); a
+    #                        static tree's [B, N, V]: row i, what node i's children were
+    #                        drawn from (a dynamic tree's [B, N, 0]: point masses)
+    tree_parent: jax.Array  # [B, N] int32  the drafted tree's parents ([B, 0]: no tree)
+    tree_slot: jax.Array  # [B, N] int32  each node's index among the nodes the drafting
+    #                       ran the modules over (-1: a leaf), where its MTP rows are stored
     hist_tokens: jax.Array  # [B, K] int32  carry: MTP input tokens t_{p+1}, p = a-K+1..a
     hist_hidden: jax.Array  # [B, K, D]  carry: target hiddens H_p, same positions
     # paged KV
@@ -122,6 +133,16 @@ class Static:
     def strategy(self):
         """The drafting method's `strategies.Strategy`."""
         return self.spec.strategy
+
+    @property
+    def tree(self):
+        """The draft tree (tree.TreeSpec; its depth is K), or None for a chain."""
+        return self.spec.tree
+
+    @property
+    def tree_nodes(self) -> int:
+        """Rows of a verify: N for a tree, K + 1 for a chain."""
+        return self.k + 1 if self.tree is None else self.tree.num_nodes
 
     @property
     def coupled(self) -> bool:
@@ -181,7 +202,7 @@ def init_state(st: Static, hidden_dtype) -> DecodeState:
     cfg, eng, k = st.cfg, st.eng, st.k
     b, v, d = eng.max_batch, cfg.vocab_size, cfg.hidden_size
     zi = lambda *s: jnp.zeros(s, jnp.int32)  # noqa: E731
-    return DecodeState(
+    state = DecodeState(
         active=jnp.zeros((b,), bool), finish=zi(b),
         bad_from=jnp.full((b,), eng.max_model_len, jnp.int32), length=zi(b), last_token=zi(b),
         num_generated=zi(b), max_tokens=zi(b), limit=zi(b),
@@ -190,12 +211,27 @@ def init_state(st: Static, hidden_dtype) -> DecodeState:
                                jnp.ones((b,), jnp.float32), jnp.zeros((b, 2), jnp.uint32)),
         relaxed=jnp.zeros((b,), bool), think=jnp.zeros((b,), bool),
         drafts=zi(b, k), draft_logp=jnp.zeros((b, k, 0 if st.coupled else v), jnp.float32),
+        tree_parent=zi(b, 0), tree_slot=zi(b, 0),
         hist_tokens=zi(b, k), hist_hidden=jnp.zeros((b, k, d), hidden_dtype),
         caches=init_caches(st.layout),
         block_tables=tuple(zi(b, st.layout.width) for _ in st.layout.groups),
         steps=zi(b), accepted=zi(b, k), drafted=zi(b, k), out_tokens=zi(b, eng.max_model_len),
         prefill_tokens=zi(st.prefill_rows, st.scratch_len),
         prefill_hidden=jnp.zeros((st.prefill_rows, st.hidden_len, d), hidden_dtype))
+    tree = st.tree
+    if tree is None:
+        return state
+    n = tree.num_nodes
+    return state.replace(drafts=zi(b, n - 1), draft_logp=jnp.zeros(
+        (b, n, 0 if tree.dynamic else v), jnp.float32),
+        tree_parent=_placeholder_tree(b, n, k), tree_slot=zi(b, n))
+
+
+def _placeholder_tree(b: int, n: int, depth: int):
+    """[b, n] parents of a tree of n nodes no deeper than `depth` (a chain to `depth`, the
+    rest the root's children): a valid tree for the rows no draft has run for yet."""
+    i = jnp.arange(n, dtype=jnp.int32)
+    return jnp.broadcast_to(jnp.where(i <= depth, i - 1, 0)[None], (b, n))
 
 
 def _where(mask, new, old):
@@ -220,32 +256,37 @@ def decode_step(model, s: Static, st: DecodeState, kr: Optional[int] = None) -> 
     length = st.length
     idx = jnp.arange(k + 1)
     drafts_in = st.drafts[:, :k]
-    # depths without a draft hold -1: never accepted, fed to the target as token 0
-    toks = jnp.concatenate([st.last_token[:, None], jnp.maximum(drafts_in, 0)], axis=1)
-    pos = length[:, None] - 1 + idx  # [B, K+1]
     limit = jnp.where(run, st.limit, 0)
     # linear-attention layers keep their states after each verified token until the
     # accepted count is known (`commit_states` below)
     kv = PagedKV(s.layout, st.caches, st.block_tables, limit, backend=eng.attention_backend,
                  mesh=s.mesh, keep_states=bool(s.layout.linear))
-    with jax.named_scope("verify"):
-        normed, pre = model.target(toks, pos, kv.attend(pos, jnp.where(run, length + k, 0)))
-        logits = model.target.head(normed)  # [B, K+1, V] f32
-        hid = model.target.mtp_hidden(normed, pre)
-    with jax.named_scope("accept"):
-        sp = st.sampling
-        relaxed = None
-        if s.spec.relaxed_acceptance:
-            relaxed = (st.relaxed, st.think, s.spec.relaxed_topk, s.spec.relaxed_delta,
-                       s.spec.think_begin_id, s.spec.think_end_id)
-        n, new_toks, think = accept(logits, drafts_in, st.draft_logp[:, :k], pos + 1, sp.seed,
-                                    sp.temperature, sp.top_k, sp.top_p, relaxed=relaxed,
-                                    coupled=s.coupled, sampled=s.sampled)
+    sp = st.sampling
+    think = None
+    if s.tree is not None:
+        finite, hid, n, new_toks = _verify_tree(model, s, st, kv, run)
+    else:
+        # depths without a draft hold -1: never accepted, fed to the target as token 0
+        toks = jnp.concatenate([st.last_token[:, None], jnp.maximum(drafts_in, 0)], axis=1)
+        pos = length[:, None] - 1 + idx  # [B, K+1]
+        with jax.named_scope("verify"):
+            normed, pre = model.target(toks, pos, kv.attend(pos, jnp.where(run, length + k, 0)))
+            logits = model.target.head(normed)  # [B, K+1, V] f32
+            hid = model.target.mtp_hidden(normed, pre)
+        with jax.named_scope("accept"):
+            relaxed = None
+            if s.spec.relaxed_acceptance:
+                relaxed = (st.relaxed, st.think, s.spec.relaxed_topk, s.spec.relaxed_delta,
+                           s.spec.think_begin_id, s.spec.think_end_id)
+            n, new_toks, think = accept(logits, drafts_in, st.draft_logp[:, :k], pos + 1,
+                                        sp.seed, sp.temperature, sp.top_k, sp.top_p,
+                                        relaxed=relaxed, coupled=s.coupled, sampled=s.sampled)
+        finite = jnp.all(jnp.isfinite(logits), axis=-1)  # [B, K+1]
     kv.commit_states(n)  # the states after the last accepted token: t_{L-1}, d_1..d_n
     with jax.named_scope("emit"):
         m = n + 1
         used = idx[None] <= n[:, None]
-        bad = jnp.any(used & ~jnp.all(jnp.isfinite(logits), axis=-1), axis=-1)
+        bad = jnp.any(used & ~finite, axis=-1)
         is_stop = jnp.any(new_toks[..., None] == st.stop_ids[:, None, :], -1) & used
         first_stop = jnp.where(jnp.any(is_stop, -1), jnp.argmax(is_stop, -1), k + 1)
         cap = jnp.minimum(jnp.minimum(m, st.max_tokens - st.num_generated),
@@ -264,9 +305,11 @@ def decode_step(model, s: Static, st: DecodeState, kr: Optional[int] = None) -> 
     last = jnp.take_along_axis(new_toks, n[:, None], axis=1)[:, 0]
     pad = s.k - k  # depths this kind does not verify
     depth = jnp.arange(s.k)[None]
+    # a tree has nodes at every depth; a chain's depths without a draft hold -1
+    has_draft = True if s.tree is not None else st.drafts[:, :s.k] >= 0
     upd = dict(finish=finish, length=new_len, last_token=last, num_generated=gen,
                steps=st.steps + 1, accepted=st.accepted + (depth < n[:, None]),
-               drafted=st.drafted + ((depth < k) & (st.drafts >= 0)))
+               drafted=st.drafted + ((depth < k) & has_draft))
     if think is not None:
         upd["think"] = think
     if s.k:
@@ -280,7 +323,11 @@ def decode_step(model, s: Static, st: DecodeState, kr: Optional[int] = None) -> 
                 _mtp_table(s, st.block_tables), limit)
         upd.update(hist_tokens=hist_t, hist_hidden=hist_h)
         drafts = jnp.full((b, s.k), -1, jnp.int32)
-        if k:
+        if s.tree is not None:
+            with jax.named_scope("draft"):
+                upd.update(_draft_tree(model, s, kv, win_t, win_h, win_pos, sp))
+            drafts = upd.pop("drafts")
+        elif k:
             # a kind that verifies k drafts commits at most k + 1 new positions: the
             # modules rewrite those (as an engine of K = k does), not the K + 1 of the
             # carry; on a CPU the draft's cost grows with the window
@@ -295,6 +342,59 @@ def decode_step(model, s: Static, st: DecodeState, kr: Optional[int] = None) -> 
     fields = {f: getattr(st, f) for f in upd}
     merged = _where(run, upd, fields)
     return st.replace(caches=tuple(kv.caches), out_tokens=out_tokens, **merged)
+
+
+def _verify_tree(model, s: Static, st: DecodeState, kv: PagedKV, run):
+    """The target over the drafted tree's N nodes in one pass, acceptance, and the
+    accepted path moved into place (tree.py): the root t_{L-1} and node i's token at
+    position L - 1 + depth_i, its KV stored at L - 1 + i, attending to the committed
+    positions and its ancestors. Then the path's target KV rows and verify hiddens are
+    compacted to L - 1 + d, and (`chain`) each module's rows of the path to its own
+    positions, so nothing of the rejected branches is read again. Returns (finite [B, D +
+    1]: the path's logits rows are finite, hiddens [B, D + 1, d] of the root and the path,
+    n [B], committed tokens [B, D + 1] as sampling.accept's)."""
+    sp, length = st.sampling, st.length
+    tree = trees.tree_of(st.tree_parent, s.k)
+    n_nodes = s.tree_nodes
+    toks = jnp.concatenate([st.last_token[:, None], jnp.maximum(st.drafts, 0)], axis=1)
+    base = length - 1
+    rope = base[:, None] + tree.depth
+    store = base[:, None] + jnp.arange(n_nodes)
+    with jax.named_scope("verify"):
+        normed, pre = model.target(toks, rope, kv.attend(
+            store, jnp.where(run, base + n_nodes, 0), tree_mask=tree.ancestors))
+        logits = model.target.head(normed)  # [B, N, V] f32
+        hid = model.target.mtp_hidden(normed, pre)
+    with jax.named_scope("accept"):
+        logp = None if s.tree.dynamic else st.draft_logp
+        n, path, new_toks = trees.accept(
+            tree, logits, toks, logp, length[:, None] + jnp.arange(s.k + 1), sp.seed,
+            sp.temperature, sp.top_k, sp.top_p, sampled=s.sampled, distinct=logp is not None)
+    with jax.named_scope("compact"):
+        order = trees.compaction_indices(path, n, n_nodes)
+        finite = trees.compact_rows(jnp.all(jnp.isfinite(logits), axis=-1), order)
+        hid = trees.compact_rows(hid, order)[:, :s.k + 1]
+        kv.compact([i for i in range(s.cfg.num_layers) if not s.cfg.is_linear(i)], base,
+                   order, n)
+        if s.strategy.over_window:
+            # module m's rows of node x sit at a - m + slot(x) (a = L - 2, the drafting's
+            # anchor); a path node at depth d belongs at a - m + d
+            slot = jnp.take_along_axis(st.tree_slot, jnp.maximum(path, 0), axis=1)
+            d = jnp.arange(path.shape[1])[None]
+            moved = jnp.where((d <= n[:, None]) & (slot >= 0), slot, d)
+            for m in range(s.strategy.modules(s.k)):
+                kv.compact([s.cfg.num_layers + m], length - 2 - m, moved, n)
+    return finite[:, :s.k + 1], hid, n, new_toks
+
+
+def _draft_tree(model, s: Static, kv: PagedKV, win_t, win_h, win_pos, sp) -> dict:
+    """The next tree's state fields drafted from a window (drafting.draft_tree)."""
+    parent, tokens, logp, slot = draft_tree(model, s.strategy, s.tree, kv, win_t, win_h,
+                                            win_pos, sp, sampled=s.sampled)
+    upd = dict(drafts=tokens[:, 1:], tree_parent=parent, tree_slot=slot)
+    if logp is not None:  # greedy programs draw top-k children and never read it
+        upd["draft_logp"] = logp
+    return upd
 
 
 def _shift(s: Static, hist_t, hist_h, new_t, new_h, n, anchor, table, limit):
@@ -494,11 +594,16 @@ def prefill_finish(model, s: Static, st: DecodeState, slots, logits, prompt_len,
         win_h = _hidden_rows(s, st.prefill_hidden, a - k, k + 1)
         win_pos = a[:, None] - k + jnp.arange(k + 1)
         kv = _rows_kv(s, st, slots, at(st.limit))
-        drafts, logp = draft(model, s.strategy, k, kv, win_t, win_h, win_pos, sp,
-                             coupled=s.coupled, sampled=s.sampled)
-        if logp is not None and not s.coupled:  # greedy rows never read theirs
-            upd["draft_logp"] = put(st.draft_logp, logp)
-        upd.update(drafts=put(st.drafts, drafts), hist_tokens=put(st.hist_tokens, win_t[:, 1:]),
+        if s.tree is not None:
+            upd.update({f: put(getattr(st, f), x) for f, x in _draft_tree(
+                model, s, kv, win_t, win_h, win_pos, sp).items()})
+        else:
+            drafts, logp = draft(model, s.strategy, k, kv, win_t, win_h, win_pos, sp,
+                                 coupled=s.coupled, sampled=s.sampled)
+            if logp is not None and not s.coupled:  # greedy rows never read theirs
+                upd["draft_logp"] = put(st.draft_logp, logp)
+            upd["drafts"] = put(st.drafts, drafts)
+        upd.update(hist_tokens=put(st.hist_tokens, win_t[:, 1:]),
                    hist_hidden=put(st.hist_hidden, win_h[:, 1:]), caches=tuple(kv.caches))
     return st.replace(**upd)
 

@@ -63,7 +63,8 @@ import numpy as np
 
 from pallas_kernels.kv_write import DROP_SLOT, slot_mapping
 
-from .sampling import SALT_ACCEPT, SALT_TARGET, gumbel_argmax, process_logits, row_keys, uniform
+from .sampling import (SALT_ACCEPT, SALT_TARGET, gumbel_argmax, gumbel_noise, process_logits,
+                       row_keys, uniform)
 
 MAX_TREE_NODES = 128  # draft nodes a tree may hold (the root not counted)
 DEFAULT_TOPK = 4  # a dynamic tree's candidates per expanded node and nodes expanded a depth
@@ -320,7 +321,8 @@ def greedy_accept(tree: Tree, tokens, target_tokens):
     return n, path_to(tree, best), bonus
 
 
-def rejection_accept(tree: Tree, target_logp, tokens, draft_logp, positions, seeds):
+def rejection_accept(tree: Tree, target_logp, tokens, draft_logp, positions, seeds, *,
+                     distinct=False):
     """Multi-candidate recursive rejection sampling over a tree (module docstring).
 
     target_logp [B, N, V]: the target's processed log-probs at each node (row i: the token
@@ -328,9 +330,13 @@ def rejection_accept(tree: Tree, target_logp, tokens, draft_logp, positions, see
     accepted); draft_logp [B, N, V] or None: row i is the distribution node i's children
     were drawn from, independently (None: they were chosen deterministically, each child's
     proposal a point mass on itself); positions [B, D + 1]: the position a node of each
-    depth decides (L + depth); seeds [B, 2]. Returns (n [B], path [B, D + 1] with -1 past
-    n, bonus [B]). Nodes are visited once in order, so a tree's children must follow
-    their parents (level order does).
+    depth decides (L + depth); seeds [B, 2]. `distinct`: a node's children were drawn
+    from draft_logp's row without replacement, in sibling order (`draw_children(distinct=
+    True)`): the k-th child's proposal is the row with the earlier siblings' tokens taken
+    out and renormalised (each step is the same rejection step with the distribution the
+    child was drawn from, so the result stays exact; no duplicates are verified).
+    Returns (n [B], path [B, D + 1] with -1 past n, bonus [B]). Nodes are visited once in
+    order, so a tree's children must follow their parents (level order does).
     """
     b, n_nodes, v = target_logp.shape
     depth = tree.depth
@@ -343,8 +349,9 @@ def rejection_accept(tree: Tree, target_logp, tokens, draft_logp, positions, see
 
     def visit(j, carry):
         # cur: the last accepted node; lr: log of p there (unnormalised once a child was
-        # rejected), ls: log of its sum (0 while p is the target's own)
-        cur, lr, ls = carry
+        # rejected), ls: log of its sum (0 while p is the target's own); lw (distinct):
+        # the proposal of cur's next child, its draft row less the siblings tried
+        cur, lr, ls, lw = carry
         tok = tokens[:, j]
         child = (tree.parent[:, j] == cur) & (tok >= 0)
         c = jnp.maximum(tok, 0)
@@ -353,9 +360,10 @@ def rejection_accept(tree: Tree, target_logp, tokens, draft_logp, positions, see
             lq = jnp.where(vocab == c[:, None], 0.0, -jnp.inf)
             lq_c = jnp.zeros((b,), jnp.float32)
         else:
-            lq = draft_logp[rows, jnp.maximum(tree.parent[:, j], 0)]
+            lq = lw if distinct else draft_logp[rows, jnp.maximum(tree.parent[:, j], 0)]
             lq_c = jnp.take_along_axis(lq, c[:, None], axis=1)[:, 0]
-        ok = child & (log_u[:, j] < lp_c - lq_c)
+        # a child its proposal could not draw (no mass left) is never accepted
+        ok = child & (log_u[:, j] < lp_c - lq_c) & (lq_c > -jnp.inf)
         resid = jnp.maximum(jnp.exp(lr - ls[:, None]) - jnp.exp(lq), 0.0)
         total = jnp.sum(resid, axis=-1)
         # rejected: p <- max(p - q, 0), normalised through ls; a residual of nothing
@@ -364,10 +372,16 @@ def rejection_accept(tree: Tree, target_logp, tokens, draft_logp, positions, see
         lr = jnp.where(ok[:, None], target_logp[:, j],
                        jnp.where(shrink[:, None], jnp.log(resid), lr))
         ls = jnp.where(ok, 0.0, jnp.where(shrink, jnp.log(total), ls))
-        return jnp.where(ok, j, cur), lr, ls
+        if distinct:  # accepted: its children's row; rejected: this token taken out
+            rest = jnp.log(jnp.maximum(-jnp.expm1(lq_c), 1e-30))
+            out = jnp.where(vocab == c[:, None], -jnp.inf, lw - rest[:, None])
+            lw = jnp.where(ok[:, None], draft_logp[:, j],
+                           jnp.where((child & ~ok)[:, None], out, lw))
+        return jnp.where(ok, j, cur), lr, ls, lw
 
-    init = (jnp.zeros((b,), jnp.int32), target_logp[:, 0], jnp.zeros((b,), jnp.float32))
-    cur, lr, _ = jax.lax.fori_loop(1, n_nodes, visit, init)
+    lw = draft_logp[:, 0] if distinct else jnp.zeros((b, 0), jnp.float32)
+    init = (jnp.zeros((b,), jnp.int32), target_logp[:, 0], jnp.zeros((b,), jnp.float32), lw)
+    cur, lr, _, _ = jax.lax.fori_loop(1, n_nodes, visit, init)
     n = jnp.take_along_axis(depth, cur[:, None], axis=1)[:, 0]
     pos_n = jnp.take_along_axis(positions, n[:, None], axis=1)
     bonus = gumbel_argmax(lr, row_keys(seeds, pos_n, SALT_TARGET)[:, 0])
@@ -375,14 +389,15 @@ def rejection_accept(tree: Tree, target_logp, tokens, draft_logp, positions, see
 
 
 def accept(tree: Tree, target_logits, tokens, draft_logp, positions, seeds, temperature,
-           top_k, top_p, *, coupled=False, sampled=True):
+           top_k, top_p, *, coupled=False, sampled=True, distinct=False):
     """Verify a tree: `sampling.accept` for trees. target_logits [B, N, V] (row i
     predicts the token after node i), tokens [B, N], draft_logp as `rejection_accept`'s
     (processed; unused by greedy and coupled rows), positions [B, D + 1] (L + depth),
     seeds [B, 2], per-row temperature, top_k, top_p [B]. Greedy rows (temperature 0)
     take `greedy_accept` of the argmax; sampled rows `rejection_accept`, or with `coupled`
     `greedy_accept` of the target's own seeded samples (output equal to plain decoding's).
-    `sampled` False: every row is greedy (no sampled branch). Returns (n [B] accepted
+    `sampled` False: every row is greedy (no sampled branch). `distinct`: siblings drawn
+    without replacement (`rejection_accept`). Returns (n [B] accepted
     drafts, path [B, D + 1] (-1 past n), tokens [B, D + 1] = the path's drafts d_1..d_n,
     the bonus, then zeros)."""
     hot = temperature > 0
@@ -397,7 +412,8 @@ def accept(tree: Tree, target_logits, tokens, draft_logp, positions, seeds, temp
             at = jnp.take_along_axis(positions, tree.depth, axis=1)  # the token after node i
             own = gumbel_argmax(logp, row_keys(seeds, at, SALT_TARGET))
             return greedy_accept(tree, tokens, own)
-        return rejection_accept(tree, logp, tokens, draft_logp, positions, seeds)
+        return rejection_accept(tree, logp, tokens, draft_logp, positions, seeds,
+                                distinct=distinct)
 
     n_s, path_s, bonus_s = jax.lax.cond(jnp.any(hot), sampled_rows,
                                         lambda: (n_g, path_g, bonus_g))
@@ -408,18 +424,25 @@ def accept(tree: Tree, target_logits, tokens, draft_logp, positions, seeds, temp
 
 
 # ----------------------------------------------------------------------------- drafting
-def draw_children(logp, width: int, keys, temperature, *, sampled=True):
+def draw_children(logp, width: int, keys, temperature, *, sampled=True, distinct=False):
     """[B, M, width] int32: `width` children for each of M nodes from their draft
     log-probs logp [B, M, V]. Greedy rows (temperature 0) take the top `width` tokens
     (distinct, best first); sampled rows `width` independent draws (duplicates possible:
     verify them with their distribution as `draft_logp`), the k-th drawn with keys [B, M]
     plus k (k = 0: the key itself, so one child is what `sampling.sample` draws).
+    `distinct`: sampled rows draw without replacement instead (Gumbel-top-k over the
+    key's noise, so the first child is again `sampling.sample`'s; verify with
+    `distinct=True`); a child past the tokens of nonzero probability is -1.
     `sampled` False: every row is greedy."""
     top = jax.lax.top_k(logp, width)[1].astype(jnp.int32)
     if not sampled:
         return top
-    draws = jnp.stack([gumbel_argmax(logp, keys + jnp.uint32(k * _SIBLING))
-                       for k in range(width)], axis=-1)
+    if distinct:
+        val, idx = jax.lax.top_k(logp + gumbel_noise(keys, logp.shape[-1]), width)
+        draws = jnp.where(val > -jnp.inf, idx, -1).astype(jnp.int32)
+    else:
+        draws = jnp.stack([gumbel_argmax(logp, keys + jnp.uint32(k * _SIBLING % 2**32))
+                           for k in range(width)], axis=-1)
     hot = (temperature > 0)[:, None, None]
     return jax.lax.cond(jnp.any(temperature > 0), lambda: jnp.where(hot, draws, top),
                         lambda: top)
@@ -468,7 +491,16 @@ def select_tree(root_token, tokens, scores, parents, budget: int, max_depth: int
     up = jnp.take_along_axis(parents, chosen, axis=1)
     parent = jnp.where(up < 0, 0, jnp.take_along_axis(node_of, jnp.maximum(up, 0), axis=1))
     parent = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parent], axis=1)
-    n = budget + 1
+    node_tokens = jnp.concatenate([root_token[:, None].astype(jnp.int32),
+                                   jnp.take_along_axis(tokens, chosen, axis=1)], axis=1)
+    source = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), chosen], axis=1)
+    return tree_of(parent, max_depth), node_tokens, source
+
+
+def tree_of(parent, max_depth: int) -> Tree:
+    """The Tree of per-request parents [B, N] int32 (level order, -1 at the root; no node
+    deeper than max_depth): ancestors and depths follow."""
+    b, n = parent.shape
     eye = jnp.eye(n, dtype=bool)[None]
     up_idx = jnp.maximum(parent, 0)
     is_root = (parent < 0)[:, :, None]
@@ -476,10 +508,7 @@ def select_tree(root_token, tokens, scores, parents, budget: int, max_depth: int
     for _ in range(max_depth):  # each round completes one more depth's rows
         anc = eye | (~is_root & jnp.take_along_axis(anc, up_idx[:, :, None], axis=1))
     depth = jnp.sum(anc, axis=-1, dtype=jnp.int32) - 1
-    node_tokens = jnp.concatenate([root_token[:, None].astype(jnp.int32),
-                                   jnp.take_along_axis(tokens, chosen, axis=1)], axis=1)
-    source = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), chosen], axis=1)
-    return Tree(parent, depth, anc, max_depth), node_tokens, source
+    return Tree(parent, depth, anc, max_depth)
 
 
 # --------------------------------------------------------------------------- compaction
@@ -523,5 +552,5 @@ def compact_pages(pages, block_table, base, idx, n, page_size: int, limit):
 __all__ = ["TreeSpec", "TreeSpecError", "parse_tree_spec", "check_tree_method",
            "TREE_METHODS", "MAX_TREE_NODES", "StaticTree", "static_tree", "Tree",
            "sibling_rank", "path_to", "greedy_accept", "rejection_accept", "accept",
-           "draw_children", "expand", "top_nodes", "select_tree", "compaction_indices",
+           "draw_children", "expand", "top_nodes", "select_tree", "tree_of", "compaction_indices",
            "compact_rows", "compact_pages"]

@@ -89,7 +89,8 @@ def test_report_schema(spec_run, files):
     import jax
     assert rep["device"]["jax"] == jax.__version__
     assert rep["device"]["kind"] == jax.devices()[0].device_kind
-    keys = {"num_speculative_tokens", "max_speculative_tokens", "num_requests", "num_errors", "generated_tokens",
+    keys = {"num_speculative_tokens", "max_speculative_tokens", "draft_tree", "num_requests",
+            "num_errors", "generated_tokens",
             "target_forwards", "mean_accepted_length", "acceptance_per_depth", "tokens_per_s",
             "speedup_vs_none", "wall_s", "compile_s", "lossless", "mismatched_ids",
             "wall_s_runs", "spread", "noisy", "repeated_4gram_share", "cached_prompt_tokens"}

@@ -190,6 +190,12 @@ def test_unreadable_input_and_bad_setup(ckpt, tmp_path, capsys):
     assert main(["--model", str(hf), "--input", str(inp), "--output", str(out),
                  "--method", "window", "--num-speculative-tokens", "4"])
     assert "MTP modules" in capsys.readouterr().err
+    assert main(["--model", str(hf), "--input", str(inp), "--output", str(out),
+                 "--method", "window", "--draft-tree", "2,2"])
+    assert "method 'window' cannot draft a tree" in capsys.readouterr().err
+    assert main(["--model", str(hf), "--input", str(inp), "--output", str(out),
+                 "--draft-tree", "2,x"])
+    assert "branching at depth 2 must be an integer" in capsys.readouterr().err
     assert main(["--model", str(tmp_path), "--input", str(inp), "--output", str(out)])
     assert "cannot load model" in capsys.readouterr().err
     assert main(["--model", str(hf), "--input", str(inp), "--output", str(tmp_path)])

@@ -9,6 +9,7 @@ alpha = 0.001; each also shows that a sampler with a wrong proposal fails the sa
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -219,12 +220,15 @@ def _run_tree_sampler(branching, rows, seed, children, duplicate=False, wrong=No
     """Recursive rejection sampling on a small-vocabulary tree of `branching`: the target's
     next-token distribution after token a is P[d][a] at depth d (after the root: P[0][0]),
     the draft's Q[d][a]. children: 'iid' (siblings drawn independently from the parent's
-    Q, verified with it) or 'top' (siblings the best of Q, verified as point masses).
+    Q, verified with it), 'wor' (drawn from it without replacement, verified with
+    `distinct`; past Q's support a sibling is -1) or 'top' (siblings the best of Q,
+    verified as point masses).
     duplicate: the last of 'top' siblings repeats the first (iid siblings repeat one
     another by chance; forcing it would make them not independent). wrong: a biased
     sampler for the power check, 'shifted' (iid siblings verified against another
-    distribution than the one they were drawn from) or 'as_iid' (top siblings verified as
-    if drawn from Q).
+    distribution than the one they were drawn from), 'as_iid' (top siblings verified as
+    if drawn from Q) or 'wor_as_iid' (siblings drawn without replacement verified as if
+    independent).
     Returns the committed tokens [rows, D + 1] (-1 past them), the accepted counts, the
     target tables and the node tokens."""
     rng = np.random.default_rng(seed)
@@ -245,12 +249,21 @@ def _run_tree_sampler(branching, rows, seed, children, duplicate=False, wrong=No
             if children == "iid":
                 u = rng.random((rows, len(kids), 1))
                 picks = (u > np.cumsum(q, -1)[:, None]).sum(-1)
+            elif children == "wor":  # sequential draws, each from what is left of q
+                picks = np.zeros((rows, len(kids)), np.int64)
+                left = q.copy()
+                for k in range(len(kids)):
+                    mass = left.sum(-1, keepdims=True)
+                    u = rng.random((rows, 1)) * mass
+                    pick = np.minimum((u > np.cumsum(left, -1)).sum(-1), V - 1)
+                    picks[:, k] = np.where(mass[:, 0] > 1e-12, pick, -1)
+                    left[np.arange(rows), pick] = 0.0
             else:
                 picks = np.argsort(-q, axis=-1, kind="stable")[:, :len(kids)]
             if duplicate and len(kids) > 1:
                 picks[:, -1] = picks[:, 0]
             tokens[:, kids] = picks
-            target[:, kids] = P[d + 1][picks]
+            target[:, kids] = P[d + 1][np.maximum(picks, 0)]
     verify_q = None if children == "top" else draft
     if wrong == "shifted":
         verify_q = np.roll(draft, 1, axis=-1)
@@ -262,7 +275,8 @@ def _run_tree_sampler(branching, rows, seed, children, duplicate=False, wrong=No
     seeds = jnp.asarray(np.stack([np.full(rows, seed), np.arange(rows)], 1), jnp.uint32)
     positions = jnp.broadcast_to(jnp.arange(depth + 1, dtype=jnp.int32) + 20,
                                  (rows, depth + 1))
-    n, path, bonus = jax.jit(T.rejection_accept)(
+    distinct = children == "wor" and wrong != "wor_as_iid"
+    n, path, bonus = jax.jit(functools.partial(T.rejection_accept, distinct=distinct))(
         t.arrays(rows), target_logp, jnp.asarray(tokens, jnp.int32), draft_logp, positions,
         seeds)
     n, path, bonus = (np.asarray(x) for x in (n, path, bonus))
@@ -291,6 +305,8 @@ def _committed_chi2(committed, n, P):
     ((2, 2, 1), "iid", False, 11),
     ((3, 2), "top", False, 11),    # deterministic (top-k) siblings, point-mass proposals
     ((2, 2, 1), "top", True, 13),  # a duplicate among them: its second copy never accepted
+    ((3, 2), "wor", False, 11),    # drawn without replacement: distinct siblings
+    ((2, 2, 1), "wor", False, 13),
     ((1, 1, 1), "iid", False, 11),  # the chain
 ])
 def test_rejection_sampling_matches_the_target(branching, children, duplicate, seed):
@@ -299,6 +315,8 @@ def test_rejection_sampling_matches_the_target(branching, children, duplicate, s
                                                 duplicate=duplicate)
     if children == "iid" and branching[0] > 1:  # duplicate siblings drawn by chance
         assert (tokens[:, 1] == tokens[:, 2]).sum() > rows // 20
+    if children == "wor":
+        assert not ((tokens[:, 1] == tokens[:, 2]) & (tokens[:, 1] >= 0)).any()
     stat, df = _committed_chi2(committed, n, P)
     assert stat < _chi2_crit(df), f"chi2 {stat:.1f} >= {_chi2_crit(df):.1f} (df {df})"
     # the walk went both ways: drafts accepted (past depth 1 too) and rejected
@@ -308,11 +326,12 @@ def test_rejection_sampling_matches_the_target(branching, children, duplicate, s
         assert ((n >= 1) & (committed[:, 0] != first)).sum() > 0
 
 
-@pytest.mark.parametrize("wrong", ["shifted", "as_iid"])
+@pytest.mark.parametrize("wrong", ["shifted", "as_iid", "wor_as_iid"])
 def test_a_wrong_proposal_fails_the_chi_square(wrong):
     """The test has the power to see a biased sampler: iid siblings verified against a
-    distribution they were not drawn from, or top-k siblings as if drawn from Q."""
-    children = "iid" if wrong == "shifted" else "top"
+    distribution they were not drawn from, top-k siblings as if drawn from Q, siblings
+    drawn without replacement as if independent."""
+    children = {"shifted": "iid", "as_iid": "top", "wor_as_iid": "wor"}[wrong]
     committed, n, P, _ = _run_tree_sampler((3, 2), 20000, seed=11, children=children,
                                            wrong=wrong)
     stat, df = _committed_chi2(committed, n, P)
@@ -351,8 +370,9 @@ def test_accept_mixes_greedy_and_sampled_rows():
 def test_draw_children():
     """Greedy rows: the top `width`, best first. Sampled rows: the first child is what
     sampling.sample draws with the key, and the children are independent draws from the
-    distribution (chi-square of the first two siblings' joint against q x q)."""
-    rows, m, v, width = 20000, 1, 4, 3
+    distribution (chi-square of the first two siblings' joint against q x q; the last
+    ones' marginals: four siblings, whose keys' offsets pass 2^32)."""
+    rows, m, v, width = 20000, 1, 4, 4
     q = np.array([0.1, 0.2, 0.3, 0.4])
     logp = jnp.broadcast_to(jnp.log(jnp.asarray(q, jnp.float32)), (rows, m, v))
     seeds = jnp.asarray(np.stack([np.full(rows, 3), np.arange(rows)], 1), jnp.uint32)
@@ -360,7 +380,7 @@ def test_draw_children():
     temp = jnp.asarray(np.where(np.arange(rows) < 4, 0.0, 1.0), jnp.float32)
     kids = np.asarray(jax.jit(T.draw_children, static_argnums=1)(logp, width, keys, temp))
     assert kids.shape == (rows, m, width)
-    assert (kids[:4, 0] == [3, 2, 1]).all()
+    assert (kids[:4, 0] == [3, 2, 1, 0]).all()
     ones = jnp.ones((rows,), jnp.float32)
     first, _ = sample(logp[:, 0], temp, jnp.zeros((rows,), jnp.int32), ones, keys[:, 0])
     np.testing.assert_array_equal(kids[:, 0, 0], first)
@@ -369,10 +389,39 @@ def test_draw_children():
     np.add.at(joint, (hot[:, 0], hot[:, 1]), 1)
     stat, df = _chi2(joint.reshape(-1), np.outer(q, q).reshape(-1))
     assert stat < _chi2_crit(df), (stat, df)
-    stat, df = _chi2(np.bincount(hot[:, 2], minlength=v), q)
-    assert stat < _chi2_crit(df), (stat, df)
+    for k in (2, 3):
+        stat, df = _chi2(np.bincount(hot[:, k], minlength=v), q)
+        assert stat < _chi2_crit(df), (k, stat, df)
+    assert np.mean(hot[:, 3] == hot[:, 2]) < 0.5  # not one draw repeated
     greedy = T.draw_children(logp[:4], width, keys[:4], temp[:4], sampled=False)
-    assert (np.asarray(greedy)[:, 0] == [3, 2, 1]).all()
+    assert (np.asarray(greedy)[:, 0] == [3, 2, 1, 0]).all()
+
+
+def test_draw_children_without_replacement():
+    """`distinct`: sampled siblings differ, the first is what sampling.sample draws, the
+    second follows q with the first taken out (chi-square against sum_i q_i q_j / (1 -
+    q_i)), and past q's support a sibling is -1; greedy rows keep the top tokens."""
+    rows, v, width = 20000, 4, 3
+    q = np.array([0.1, 0.2, 0.3, 0.4])
+    logp = jnp.broadcast_to(jnp.log(jnp.asarray(q, jnp.float32)), (rows, 1, v))
+    seeds = jnp.asarray(np.stack([np.full(rows, 5), np.arange(rows)], 1), jnp.uint32)
+    keys = row_keys(seeds, jnp.full((rows, 1), 17), SALT_DRAFT)
+    temp = jnp.asarray(np.where(np.arange(rows) < 4, 0.0, 1.0), jnp.float32)
+    draw = jax.jit(functools.partial(T.draw_children, distinct=True), static_argnums=1)
+    kids = np.asarray(draw(logp, width, keys, temp))[:, 0]
+    assert (kids[:4] == [3, 2, 1]).all()
+    first, _ = sample(logp[:, 0], temp, jnp.zeros((rows,), jnp.int32), jnp.ones((rows,)),
+                      keys[:, 0])
+    np.testing.assert_array_equal(kids[:, 0], first)
+    hot = kids[4:]
+    assert (hot[:, 0] != hot[:, 1]).all() and (hot[:, 1] != hot[:, 2]).all()
+    second = (q[:, None] * q[None, :] / (1 - q[:, None]) * (1 - np.eye(v))).sum(0)
+    stat, df = _chi2(np.bincount(hot[:, 1], minlength=v), second)
+    assert stat < _chi2_crit(df), (stat, df)
+    two = jnp.log(jnp.asarray([0.5, 0.5, 0.0, 0.0], jnp.float32))  # two tokens to draw
+    short = np.asarray(draw(jnp.broadcast_to(two, (8, 1, v)), width, keys[4:12],
+                            temp[4:12]))[:, 0]
+    assert (np.sort(short[:, :2], -1) == [0, 1]).all() and (short[:, 2] == -1).all()
 
 
 def _grow(logp_fn, root, depth, topk):
