@@ -106,9 +106,9 @@ def test_a_tokens_logits_do_not_depend_on_its_call(setting):
     for name, x in got.items():
         assert np.array_equal(x, got["decode"]), (setting[0], name,
                                                   float(np.abs(x - got["decode"]).max()))
-    plain = one_token_logits(setting, invariant=False)
-    assert np.allclose(plain["batch64"], got["decode"], atol=0.1)  # the same computation
     if setting[0] == "dense":  # the default mode's blocking follows the rows (CPU)
+        plain = one_token_logits(setting, invariant=False)
+        assert np.allclose(plain["batch64"], got["decode"], atol=0.1)  # the same computation
         assert any(not np.array_equal(x, plain["decode"]) for x in plain.values())
 
 

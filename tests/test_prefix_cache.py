@@ -246,7 +246,9 @@ def _requests(**sp):
             for i, (p, b) in enumerate(zip(_prompts(), BUDGETS))]
 
 
-STRATEGIES = [("chain", 2), ("window", 3), ("eagle", 2), ("per_step", 3), ("none", 0)]
+# chain: MTP history in the target's chunk programs; window: in programs of their own, read
+# ahead; per_step: draft-only modules (eagle's sampled run below, none's in the engine tests)
+STRATEGIES = [("chain", 2), ("window", 3), ("per_step", 3)]
 BIG = dict(num_pages=None)  # enough pages for every slot: nothing preempted or evicted
 
 
@@ -260,8 +262,7 @@ def test_same_tokens_steps_and_acceptance_as_without_the_cache(references, metho
     assert [r.token_ids for r in got] == references
     assert [(r.num_steps, r.accepted_per_depth) for r in got] == \
         [(r.num_steps, r.accepted_per_depth) for r in want]
-    if k:
-        assert sum(sum(r.accepted_per_depth) for r in got) > 0
+    assert sum(sum(r.accepted_per_depth) for r in got) > 0
     cached = [r.num_cached_prompt_tokens for r in got]
     assert sum(c > 0 for c in cached) >= 5 and cached[-2:] == [0, 0]
     assert all(r.num_cached_prompt_tokens == 0 for r in want)
@@ -297,7 +298,7 @@ def test_seeded_sampling_equals_an_engine_without_the_cache():
 
 
 def test_new_weights_forget_the_cached_blocks():
-    eng = engine("none", 0, **BIG)
+    eng = engine("chain", 2, **BIG)
     eng.generate(_requests()[:2])
     assert eng.sched.cache.held_pages() > 0
     eng.model = _model()
