@@ -38,8 +38,7 @@ class PageAllocator:
         short (`can_fit` said they fit)."""
         short = n - len(self.free[group])
         if short > 0 and self.cache is not None:
-            for pages in self.cache.evict(short):
-                self.release([[p] for p in pages])
+            self.release_blocks(self.cache.evict(short))
         return [self.free[group].pop() for _ in range(n)]
 
     def ever_fits(self, tokens: int) -> bool:
@@ -74,6 +73,10 @@ class PageAllocator:
     def release(self, pages: list) -> None:
         for g, ids in enumerate(pages):
             self.free[g].extend(reversed(ids))
+
+    def release_blocks(self, blocks: list) -> None:
+        """Free cached blocks' pages: per block, one page id per group."""
+        self.release([[b[g] for b in blocks] for g in range(len(self.layout.groups))])
 
     def table_rows(self, pages: list) -> np.ndarray:
         return table_rows(self.layout, pages)

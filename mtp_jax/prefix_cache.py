@@ -153,6 +153,13 @@ class PrefixCache:
         self.stats["evicted_blocks"] += len(out)
         return out
 
+    def clear(self) -> list:
+        """Forget every block (no request may read one); the idle blocks' pages."""
+        pages = [b.pages for b in self.idle.values()]
+        self.idle.clear()
+        self.blocks.clear()
+        return pages
+
     def held_pages(self) -> int:
         """Pages per group the cache holds (shared, owned or idle), each counted once."""
         return len(self.blocks)

@@ -205,7 +205,7 @@ class Scheduler:
                                                 for g in range(len(self.layout.groups))])
             if pages is None:
                 if self.cache:
-                    self._free_blocks(self.cache.release(hits))
+                    self.alloc.release_blocks(self.cache.release(hits))
                 return None
             self.queue.popleft()
             self.seen[slot] = 0
@@ -254,13 +254,9 @@ class Scheduler:
         blocks it registered are forgotten, its other pages go back to the pool."""
         hits = [b for b in item.blocks if b.ready]
         if self.cache:
-            self._free_blocks(self.cache.release(hits))
+            self.alloc.release_blocks(self.cache.release(hits))
             self.cache.forget([b for b in item.blocks if not b.ready])
         self.alloc.release([ids[len(hits):] for ids in item.pages])
-
-    def _free_blocks(self, pages: list) -> None:
-        """Return the pages of blocks (one id per group each) to the pool."""
-        self.alloc.release([[p[g] for p in pages] for g in range(len(self.layout.groups))])
 
     def poison(self, slot: int, position: int) -> tuple:
         """The request in `slot` met a non-finite hidden at prompt `position`: its blocks
@@ -313,8 +309,7 @@ class Scheduler:
     def clear_cache(self) -> None:
         """Forget every cached block (the KV pages were reset); no request may run."""
         if self.cache:
-            self._free_blocks(self.cache.evict(len(self.cache.idle)))
-            self.cache.blocks.clear()
+            self.alloc.release_blocks(self.cache.clear())
 
     def pages_in_use(self) -> int:
         """Pages of the first group the running requests hold, each shared page counted
@@ -341,7 +336,7 @@ class Scheduler:
         """Free a slot and its pages (its cached blocks stay cached, one reader fewer)."""
         live = self.slots[slot]
         if self.cache:
-            self._free_blocks(self.cache.release(live.blocks))
+            self.alloc.release_blocks(self.cache.release(live.blocks))
         self.alloc.release([ids[len(live.blocks):] for ids in live.pages])
         self.slots[slot] = None
 
