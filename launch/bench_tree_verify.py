@@ -40,7 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_paged_attention import (  # noqa: E402
     HQ, KVH, PAGE, iters, kv_bytes, log, make_inputs, max_err, time_per_call)
 
-from mtp_jax.tree import parse_tree_spec, static_tree  # noqa: E402
+from mtp_jax.tree import static_tree  # noqa: E402
+from mtp_jax.tree_spec import parse_tree_spec  # noqa: E402
 from pallas_kernels.paged_attention import (  # noqa: E402
     default_block_config, paged_attention, paged_attention_reference)
 

@@ -644,7 +644,7 @@ class SpecConfig:
     def _check_tree(self) -> None:
         """ConfigError for a draft tree this spec cannot draft; a static tree's depth is K
         (set when K is "auto"), and a tree's speculation is fixed."""
-        from .tree import TreeSpecError, check_tree_method, parse_tree_spec
+        from .tree_spec import TreeSpecError, check_tree_method, parse_tree_spec
         try:
             tree = parse_tree_spec(self.draft_tree)
         except TreeSpecError as e:
@@ -666,10 +666,10 @@ class SpecConfig:
 
     @property
     def tree(self):
-        """The draft tree (tree.TreeSpec, a dynamic one's depth set to K), or None."""
+        """The draft tree (tree_spec.TreeSpec, a dynamic one's depth set to K), or None."""
         if self.draft_tree is None:
             return None
-        from .tree import parse_tree_spec
+        from .tree_spec import parse_tree_spec
         return parse_tree_spec(self.draft_tree).with_depth(self.k)
 
     @property
@@ -731,7 +731,7 @@ class SpecConfig:
             if any(cfg.is_linear(i) for i in range(cfg.num_layers_total)):
                 raise ConfigError("--draft-tree does not run on linear-attention (Gated "
                                   "DeltaNet) layers: their state follows one token sequence")
-            from .tree import TreeSpecError
+            from .tree_spec import TreeSpecError
             try:
                 self.tree
             except TreeSpecError as e:

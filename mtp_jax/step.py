@@ -136,7 +136,7 @@ class Static:
 
     @property
     def tree(self):
-        """The draft tree (tree.TreeSpec; its depth is K), or None for a chain."""
+        """The draft tree (tree_spec.TreeSpec; its depth is K), or None for a chain."""
         return self.spec.tree
 
     @property

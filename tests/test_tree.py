@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from mtp_jax import tree as T
+from mtp_jax import tree_spec as S
 from mtp_jax.sampling import SALT_DRAFT, accept, process_logits, row_keys, sample
 
 FP8 = jnp.float8_e4m3fn
@@ -27,25 +28,25 @@ FP8 = jnp.float8_e4m3fn
 @pytest.mark.parametrize("text,branching,nodes", [
     ("2,2,1", (2, 2, 1), 11), (" 3, 1 ", (3, 1), 7), ("1,1,1", (1, 1, 1), 4), ("4", (4,), 5)])
 def test_static_specs(text, branching, nodes):
-    spec = T.parse_tree_spec(text)
+    spec = S.parse_tree_spec(text)
     assert spec.branching == branching and not spec.dynamic
     assert spec.num_nodes == nodes and spec.max_depth == len(branching)
-    assert T.parse_tree_spec(str(spec)) == spec
+    assert S.parse_tree_spec(str(spec)) == spec
     assert spec.with_depth(7) == spec  # a static tree keeps its own depth
 
 
 def test_dynamic_specs():
-    spec = T.parse_tree_spec("budget:8")
-    assert spec.dynamic and (spec.budget, spec.depth, spec.topk) == (8, None, T.DEFAULT_TOPK)
+    spec = S.parse_tree_spec("budget:8")
+    assert spec.dynamic and (spec.budget, spec.depth, spec.topk) == (8, None, S.DEFAULT_TOPK)
     assert spec.num_nodes == 9 and spec.max_depth is None and spec.num_candidates is None
     deep = spec.with_depth(3)
     assert deep.max_depth == 3 and deep.num_candidates == 4 + 2 * 16
-    assert T.parse_tree_spec(str(deep)) == deep
-    spec = T.parse_tree_spec("budget:10, depth:3, topk:2")
+    assert S.parse_tree_spec(str(deep)) == deep
+    spec = S.parse_tree_spec("budget:10, depth:3, topk:2")
     assert (spec.budget, spec.depth, spec.topk, spec.num_candidates) == (10, 3, 2, 10)
     assert spec.with_depth(5) == spec  # the spec's own depth wins
-    with pytest.raises(T.TreeSpecError, match="needs at least as many candidates"):
-        T.parse_tree_spec("budget:40,topk:2").with_depth(3)
+    with pytest.raises(S.TreeSpecError, match="needs at least as many candidates"):
+        S.parse_tree_spec("budget:40,topk:2").with_depth(3)
 
 
 @pytest.mark.parametrize("text,match", [
@@ -56,15 +57,15 @@ def test_dynamic_specs():
     ("budget:60,depth:2,topk:2", "makes 6"), ("budget", "expected 'budget:N'"),
     ("2,budget:3", "starts with 'budget:N'"), ("budget:129", "at most 128")])
 def test_bad_specs_are_refused(text, match):
-    with pytest.raises(T.TreeSpecError, match=match):
-        T.parse_tree_spec(text)
-    assert issubclass(T.TreeSpecError, ValueError)
+    with pytest.raises(S.TreeSpecError, match=match):
+        S.parse_tree_spec(text)
+    assert issubclass(S.TreeSpecError, ValueError)
 
 
 def test_tree_methods():
-    assert T.check_tree_method("chain") is None and T.check_tree_method("eagle") is None
+    assert S.check_tree_method("chain") is None and S.check_tree_method("eagle") is None
     for method in ("window", "per_step", "none"):
-        msg = T.check_tree_method(method)
+        msg = S.check_tree_method(method)
         assert method in msg and "chain, eagle" in msg
 
 
@@ -90,7 +91,7 @@ def test_static_tree_31_and_chain():
     chain = T.static_tree((1, 1, 1))
     assert chain.parent.tolist() == [-1, 0, 1, 2] and chain.depth.tolist() == [0, 1, 2, 3]
     np.testing.assert_array_equal(chain.ancestors, np.tril(np.ones((4, 4), bool)))
-    with pytest.raises(T.TreeSpecError):
+    with pytest.raises(S.TreeSpecError):
         T.static_tree((2, 0))
 
 
