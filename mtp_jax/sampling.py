@@ -29,6 +29,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from .sharding import P, active_mesh, axis_size, batch_axis
 
 SALT_DRAFT, SALT_ACCEPT, SALT_TARGET = 1, 2, 3
 
@@ -114,16 +117,33 @@ def process_logits(logits, temperature, top_k, top_p):
     return jax.nn.log_softmax(x, axis=-1).reshape(shape)
 
 
-def _filter(logits, top_k, top_p, need):
+def _filter(logits, top_k, top_p, need, sort=None):
     """`_filter_sorted`'s masking for the rows that `need` it, other rows unchanged. On a
     CPU by bisection (`_filter_bisect`): a full-vocabulary sort is the costliest op of a
     sampled step on a CPU, so a speculative step, which samples K+1 target rows and K
     draft rows per request, paid several plain steps for it (docs/DECISIONS.md, "Top-k /
     top-p by bisection on a CPU"). Elsewhere one batched sort, as before: a bisection's
-    64 dependent passes are launches there, not yet measured against the sort."""
-    if jax.default_backend() == "cpu":
+    64 dependent passes are launches there, not yet measured against the sort. `sort`:
+    True or False picks the path whatever the backend."""
+    logits = _whole_rows(logits)
+    if not (jax.default_backend() != "cpu" if sort is None else sort):
         return _filter_bisect(logits, top_k, top_p, need)
     return jnp.where(need[:, None], _filter_sorted(logits, top_k, top_p), logits)
+
+
+def _whole_rows(x):
+    """x [r, v] with every row whole on a device (rows split over `dp` where they divide)
+    under a mesh with `tp`; unchanged otherwise. Logits come split over `tp` by vocabulary,
+    and the partitioner turns the sort's cumulative sum along that split axis into a
+    windowed reduction over the whole row for every output, quadratic in v and no longer a
+    prefix sum the GPU compiler rewrites as a scan (a sampled decode step of the shipped
+    model took 230x its one-GPU time under tp=2); the bisection's 64 row sums would be as
+    many all-reduces. Gathering the rows once is a few KiB to MiB a step."""
+    mesh = active_mesh()
+    if mesh is None or axis_size(mesh, "tp") == 1:
+        return x
+    spec = P(batch_axis(mesh, x.shape[0]), None)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 def _filter_bisect(logits, top_k, top_p, need):

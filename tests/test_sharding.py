@@ -134,3 +134,19 @@ def test_hybrid_linear_attention_model_sharded_equals_unsharded(qwen_result, mes
     assert r["target_diff"] < 1e-5 and r["mtp_diff"] < 1e-5, r
     assert all(r["equal"]), r
     assert qwen_result["state_spec"][0] == "dp"  # the last mesh's: the slots over dp
+
+
+@pytest.fixture(scope="module")
+def sampling_result():
+    return run_on_8_devices("sharded_sampling.py", devices=2)
+
+
+@pytest.mark.parametrize("path", ["sort", "bisect"])
+def test_sampling_filter_on_vocab_split_logits(sampling_result, path):
+    """Top-k / top-p on logits split over tp by vocabulary: the same tokens kept as on one
+    device, and no cumulative sum partitioned along the split axis (a window over the whole
+    row for every output: a sampled decode step 230x slower under tp=2 on two GPUs)."""
+    r = sampling_result[path]
+    assert r["equal"], r
+    assert 12 < r["kept"] < 12 * 2048
+    assert r["long_windows"] == [], r
