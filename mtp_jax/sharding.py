@@ -121,6 +121,13 @@ def make_mesh(spec: Optional[str], devices=None) -> Optional[Mesh]:
     n = int(np.prod([sizes[a] for a in names]))
     if n > len(devices) or n < 1:
         raise ValueError(f"mesh {spec!r} needs {n} devices, {len(devices)} available")
+    left_out = sorted({d.process_index for d in devices} - {d.process_index
+                                                           for d in devices[:n]})
+    if left_out:  # their arrays would have no shard here: every process must take part
+        raise ValueError(f"mesh {spec!r} takes {n} of the {len(devices)} devices of "
+                         f"{jax.process_count()} processes and leaves process(es) "
+                         f"{left_out} out: a mesh of several processes spans all "
+                         f"{len(devices)} devices")
     return Mesh(np.asarray(devices[:n]).reshape([sizes[a] for a in names]), names)
 
 

@@ -81,6 +81,18 @@ def test_mesh_spec_parsing():
         make_mesh("tp=64")
 
 
+def test_mesh_of_several_processes_takes_every_process():
+    """Two processes of two devices each: a mesh of the first two devices would leave
+    process 1 holding no shard of any array (jax then fails deep inside a collective)."""
+    class Dev:
+        def __init__(self, process_index):
+            self.process_index = process_index
+
+    devices = [Dev(0), Dev(0), Dev(1), Dev(1)]
+    with pytest.raises(ValueError, match=r"leaves process\(es\) \[1\] out"):
+        make_mesh("dp=2", devices)
+
+
 @pytest.fixture(scope="module")
 def moe_result():
     """An MoE (GLM layout) model over ep / tp / dp meshes (scripts/moe_sharded_equivalence)."""
