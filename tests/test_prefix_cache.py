@@ -6,6 +6,7 @@ seeded sampling against an engine without the cache."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -16,47 +17,17 @@ from mtp_jax.pages import PageAllocator
 from mtp_jax.prefix_cache import PrefixCache
 from mtp_jax.scheduler import Limits, Scheduler
 
+import sched_fakes as fakes
+from sched_fakes import Group, Sampling
 from spec_models import markov_model
 
 
-@dataclasses.dataclass(frozen=True)
-class Group:
-    window: object
-    num_pages: int
-    ring_pages: int = 0
+# a pool of 12 pages of 4 positions (+ the null page); requests of 4 new tokens
+Layout = functools.partial(fakes.Layout, page_size=4, width=16, groups=(Group(None, 13),))
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """The parts of kv_cache.KVLayout the cache and the scheduler read."""
-
-    page_size: int = 4
-    width: int = 16
-    groups: tuple = (Group(None, 13),)  # 12 pages + the null page
-    linear: tuple = ()
-    num_layers: int = 2
-
-    def pages_for(self, group: int, tokens: int) -> int:
-        g = self.groups[group]
-        return g.ring_pages if g.window is not None else -(-tokens // self.page_size)
-
-    def is_linear(self, layer: int) -> bool:
-        return bool(self.linear) and self.linear[layer] is not None
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    max_tokens: int = 4
-    temperature: float = 0.0
-    stop: tuple = ()
-    stop_token_ids: tuple = ()
-
-
-@dataclasses.dataclass
-class Req:
-    id: object
-    prompt_ids: list
-    sampling: Sampling = Sampling()
+def Req(rid, prompt_ids, sampling=Sampling(max_tokens=4)):  # noqa: N802 (a fake class)
+    return fakes.Req(rid, prompt_ids, sampling)
 
 
 def sched(k=1, max_batch=3, cache=True, **layout):

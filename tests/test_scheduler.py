@@ -1,6 +1,5 @@
 """The scheduler without jax: admission order, pages on demand, preemption, pinning."""
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -10,6 +9,8 @@ import pytest
 
 from mtp_jax.scheduler import Limits, Scheduler
 
+from sched_fakes import Layout, Req, Sampling
+
 
 def test_importing_the_scheduler_does_not_import_jax():
     code = ("import sys; import mtp_jax.scheduler; "
@@ -17,41 +18,6 @@ def test_importing_the_scheduler_does_not_import_jax():
             "assert not bad, bad")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)  # this checkout's
-
-
-@dataclasses.dataclass(frozen=True)
-class Group:
-    window: object
-    num_pages: int
-    ring_pages: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """The parts of kv_cache.KVLayout the scheduler reads."""
-
-    page_size: int = 8
-    width: int = 8
-    groups: tuple = (Group(None, 9),)  # 8 pages + the null page
-
-    def pages_for(self, group: int, tokens: int) -> int:
-        g = self.groups[group]
-        return g.ring_pages if g.window is not None else -(-tokens // self.page_size)
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    max_tokens: int = 16
-    temperature: float = 0.0
-    stop: tuple = ()
-    stop_token_ids: tuple = ()
-
-
-@dataclasses.dataclass
-class Req:
-    id: object
-    prompt_ids: list
-    sampling: Sampling = Sampling()
 
 
 def sched(k=2, pin=False, max_batch=2, **layout):
