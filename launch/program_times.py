@@ -98,8 +98,7 @@ def main(argv=None) -> int:
     _, model, engine = gen.make_engine(args)
     print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} | mesh "
           f"{args.mesh or 'none'} | load {time.perf_counter() - t0:.1f} s", flush=True)
-    for line in collective_probe(engine.mesh if hasattr(engine, "mesh") else None,
-                                 ours.collectives):
+    for line in collective_probe(engine.mesh, ours.collectives):
         print(line, flush=True)
     defaults, _ = gen.run_defaults(args, model)
     data = open(args.input, "rb").read()

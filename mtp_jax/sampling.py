@@ -126,7 +126,9 @@ def _filter(logits, top_k, top_p, need, sort=None):
     64 dependent passes are launches there, not yet measured against the sort. `sort`:
     True or False picks the path whatever the backend."""
     logits = _whole_rows(logits)
-    if not (jax.default_backend() != "cpu" if sort is None else sort):
+    if sort is None:
+        sort = jax.default_backend() != "cpu"
+    if not sort:
         return _filter_bisect(logits, top_k, top_p, need)
     return jnp.where(need[:, None], _filter_sorted(logits, top_k, top_p), logits)
 
