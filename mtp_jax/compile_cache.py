@@ -272,16 +272,24 @@ class ExecutableStore:
     def _path(self, name: str, context: str, args) -> str:
         return os.path.join(self.folder, self.key(name, context, args) + ".bin")
 
-    def get(self, jitted, name: str, context: str, args) -> tuple[Callable, bool]:
-        """(executable of `jitted(*args)`, whether it was loaded): loaded if saved before
-        and loadable here, else compiled (not through JAX's own cache, see _compile_fresh)
-        and saved. A file that exists but cannot be loaded is replaced."""
+    def load(self, name: str, context: str, args) -> Optional[Callable]:
+        """The saved executable for these arguments, or None when the store has none that
+        loads here. Traces nothing, so worker threads may load several at once."""
         path = self._path(name, context, args)
         compiled = _load(path) if os.path.exists(path) else None
         if compiled is not None:
             with _lock:
                 _counts["loaded"] += 1
+        return compiled
+
+    def get(self, jitted, name: str, context: str, args) -> tuple[Callable, bool]:
+        """(executable of `jitted(*args)`, whether it was loaded): loaded if saved before
+        and loadable here, else compiled (not through JAX's own cache, see _compile_fresh)
+        and saved. A file that exists but cannot be loaded is replaced."""
+        compiled = self.load(name, context, args)
+        if compiled is not None:
             return compiled, True
+        path = self._path(name, context, args)
         if os.path.exists(path):
             with _lock:
                 _counts["replaced"] += 1

@@ -28,7 +28,8 @@ from .pages import table_rows
 from .quant import mode_of
 from .sampling import split_seed
 from .sharding import check_mesh, shard_params, state_shardings
-from .step import Static, greedy_dispatches, greedy_steps, init_state, prepare, programs
+from .step import (Static, greedy_dispatches, greedy_steps, init_state, preload, prepare,
+                   programs)
 
 # Prompt tokens below which a prefill forward costs about the same whatever it carries:
 # its matmuls are bound by the weight reads (an H100 reaches its bf16 peak from ~300
@@ -164,13 +165,12 @@ class Runner:
         (`time_kinds`), the adaptive controller's cost prior."""
         variants = tuple(sorted(self.warm_variants | set(variants)))
         p, st = self.model.params, self.state
+        preload(self._warmup_calls(variants, prefill_programs))
         # The prefill programs are loaded or compiled without running where the executable
         # store holds them (most buckets go unused by a job); otherwise they run once on
         # padding rows, which write nothing.
         for r, c in prefill_programs:
-            slots = np.full((r,), self.config.max_batch, np.int32)
-            zero = np.zeros((r,), np.int32)
-            logits = self.progs.no_logits(r)
+            slots, zero, logits = self._padding_rows(r)
             out = prepare(self.progs.prefill_target(c), p, st, slots, zero, zero, logits, zero)
             if out is not None:
                 st, logits = out
@@ -212,6 +212,29 @@ class Runner:
         self.warm = True
         self.warm_variants = set(variants)
         return prior
+
+    def _padding_rows(self, r: int) -> tuple:
+        """(slots, zeros, starting logits) of `r` prefill rows that write nothing."""
+        return (np.full((r,), self.config.max_batch, np.int32), np.zeros((r,), np.int32),
+                self.progs.no_logits(r))
+
+    def _warmup_calls(self, variants, prefill_programs) -> list:
+        """[(program, args)] of every program `warmup` prepares, as it calls them (only
+        the argument types matter: it is for `step.preload`)."""
+        p, st = self.model.params, self.state
+        calls = []
+        for r, c in prefill_programs:
+            slots, zero, logits = self._padding_rows(r)
+            calls.append((self.progs.prefill_target(c), (p, st, slots, zero, zero, logits, zero)))
+            if self.static.history_apart:
+                calls.append((self.progs.prefill_mtp(c), (p, st, slots, zero, zero)))
+            if c == self.buckets()[-1]:
+                calls += [(self.progs.prefill_finish(v), (p, st, slots, logits, zero,
+                                                          self.all_allowed(r)))
+                          for v in variants]
+        calls += [(self.progs.steps(kind, v), (p, st, jnp.int32(1)))
+                  for kind in self.static.kinds for v in variants]
+        return calls
 
     def time_kinds(self, reps: int = 1, sampled: bool = True) -> Optional[list]:
         """Seconds of one step of each kind on the warmup's dummy slot: kinds 0 and K timed

@@ -31,6 +31,7 @@ configuration, so nothing recompiles once each prefill bucket has been seen.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import hashlib
@@ -633,12 +634,25 @@ class Program:
 
     def _fetch(self, sig, args):
         fn, loaded = self.store.get(self.jitted, self.name, self.context, args)
+        self._keep(sig, fn, loaded)
+        return fn
+
+    def _keep(self, sig, fn, loaded: bool) -> None:
         self._by_args[sig] = fn
         if loaded:
             self._unproven.add(sig)
         else:
             self._unproven.discard(sig)
-        return fn
+
+    def preload(self, *args) -> None:
+        """Load the saved executable for these arguments if the store holds one; compiling
+        what it lacks is left to `prepare` (tracing reads this thread's mesh and numerics
+        switches, so it must not run on a worker thread; loading does not)."""
+        sig = self._sig(args)
+        if sig not in self._by_args:
+            fn = self.store.load(self.name, self.context, args)
+            if fn is not None:
+                self._keep(sig, fn, True)
 
     def __call__(self, *args):
         sig, fn = self.prepare(*args)
@@ -672,6 +686,21 @@ def _any_deleted(args) -> bool:
     """Whether a failed call consumed (donated) any of its array arguments."""
     return any(getattr(x, "is_deleted", lambda: False)()
                for x in jax.tree_util.tree_leaves(args))
+
+
+def preload(calls) -> None:
+    """Load the saved executables of `calls` [(program, args)] on worker threads, before
+    `prepare` walks them in order: deserializing is most of a warm start's warmup (about
+    0.2 s a step program on a CPU) and runs in parallel."""
+    calls = [(f, a) for f, a in calls if isinstance(f, Program)]
+    if len(calls) < 2:
+        return
+    with concurrent.futures.ThreadPoolExecutor(min(len(calls), PRELOAD_THREADS)) as pool:
+        for done in [pool.submit(f.preload, *a) for f, a in calls]:
+            done.result()
+
+
+PRELOAD_THREADS = 8
 
 
 def prepare(program, *args):

@@ -20,7 +20,7 @@ from mtp_jax.compile_cache import CacheStats, ExecutableStore
 from mtp_jax.config import EngineConfig, SamplingParams, SpecConfig
 from mtp_jax.engine import Engine, Request
 from mtp_jax.reference import generate_reference
-from mtp_jax.step import Program
+from mtp_jax.step import Program, preload
 
 from spec_models import markov_model
 
@@ -44,6 +44,22 @@ def test_program_saves_one_executable_per_signature_and_a_new_store_loads_them(t
     np.testing.assert_array_equal(warm(a), a * 2 + 1)
     assert (stats.loaded, stats.saved) == (2, 2)
     assert warm.jitted._cache_size() == 0  # nothing traced
+
+
+def test_preload_loads_saved_executables_on_threads_and_traces_nothing(tmp_path):
+    """step.preload loads what the store holds, several at once, and leaves what it lacks
+    to the in-order prepare (tracing must stay on the caller's thread)."""
+    a, b, c = (np.arange(n, dtype=np.float32) for n in (3, 4, 5))
+    cold = Program(jax.jit(_double), "double", ExecutableStore(str(tmp_path)), "ctx")
+    cold(a), cold(b)
+    stats = CacheStats()
+    warm = Program(jax.jit(_double), "double", ExecutableStore(str(tmp_path)), "ctx")
+    preload([(warm, (a,)), (warm, (b,)), (warm, (c,)), (_double, (a,))])
+    assert (stats.loaded, stats.saved) == (2, 0)
+    assert warm.jitted._cache_size() == 0 and len(warm._by_args) == 2
+    np.testing.assert_array_equal(warm(c), c * 2 + 1)  # compiled by its call
+    np.testing.assert_array_equal(warm(a), a * 2 + 1)
+    assert (stats.loaded, stats.saved) == (2, 1)
 
 
 def test_keys_follow_name_context_arguments_and_switches(tmp_path, monkeypatch):
