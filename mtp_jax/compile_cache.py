@@ -39,6 +39,7 @@ loaded, saved and replaced, for run summaries.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import importlib
@@ -302,10 +303,24 @@ class ExecutableStore:
             _counts["replaced"] += 1
         return self._compile_and_save(jitted, self._path(name, context, args), args)
 
+    def compile_many(self, items: list, threads: int) -> list:
+        """Executables of `items` [(jitted, name, context, args)], compiled on up to
+        `threads` worker threads and saved: each is traced here, in order (tracing reads
+        this thread's mesh and numerics switches), then XLA compiles them side by side.
+        An item whose compile fails gets None (its caller compiles it again alone, and
+        meets the error there)."""
+        lowered = [jitted.lower(*args) for jitted, _, _, args in items]
+        compiled = _compile_fresh_many(lowered, threads)
+        return [None if c is None else self._save(c, self._path(name, context, args))
+                for c, (_, name, context, args) in zip(compiled, items)]
+
     def _compile_and_save(self, jitted, path: str, args) -> Callable:
+        return self._save(_compile_fresh(jitted.lower(*args)), path)
+
+    def _save(self, compiled, path: str) -> Callable:
+        """Write `compiled` to `path` (when it serializes and the folder takes it)."""
         from jax.experimental import serialize_executable
 
-        compiled = _compile_fresh(jitted.lower(*args))
         try:
             blob, in_tree, out_tree = serialize_executable.serialize(compiled)
             data = pickle.dumps((blob, in_tree, out_tree, _device_ids(compiled)))
@@ -359,6 +374,27 @@ def _compile_fresh(lowered):
         _reset_jax_cache()
         try:
             return lowered.compile()
+        finally:
+            jax.config.update("jax_enable_compilation_cache", was)
+            _reset_jax_cache()
+
+
+def _compile_fresh_many(lowered: list, threads: int) -> list:
+    """[lowered.compile()] as `_compile_fresh` does, on up to `threads` threads at once;
+    None where a compile raised."""
+    def one(x):
+        try:
+            return x.compile()
+        except Exception:  # noqa: BLE001 (surfaces when the caller compiles it alone)
+            return None
+
+    was = jax.config.jax_enable_compilation_cache
+    with _lock:
+        jax.config.update("jax_enable_compilation_cache", False)
+        _reset_jax_cache()
+        try:
+            with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
+                return list(pool.map(one, lowered))
         finally:
             jax.config.update("jax_enable_compilation_cache", was)
             _reset_jax_cache()

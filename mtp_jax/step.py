@@ -35,6 +35,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import hashlib
+import os
 from typing import Optional
 
 import flax.struct
@@ -689,18 +690,36 @@ def _any_deleted(args) -> bool:
 
 
 def preload(calls) -> None:
-    """Load the saved executables of `calls` [(program, args)] on worker threads, before
-    `prepare` walks them in order: deserializing is most of a warm start's warmup (about
-    0.2 s a step program on a CPU) and runs in parallel."""
-    calls = [(f, a) for f, a in calls if isinstance(f, Program)]
-    if len(calls) < 2:
+    """Make the executables of `calls` [(program, args)] ready several at a time, before
+    `prepare` walks them in order: the saved ones are loaded on worker threads
+    (deserializing is most of a warm start's warmup, about 0.2 s a step program on a CPU),
+    then the missing ones are traced here and compiled side by side (a cold start's
+    programs are independent of each other)."""
+    todo = {}
+    for f, a in calls:
+        if isinstance(f, Program):
+            todo.setdefault((id(f), f._sig(a)), (f, a))
+    if len(todo) < 2:
         return
-    with concurrent.futures.ThreadPoolExecutor(min(len(calls), PRELOAD_THREADS)) as pool:
-        for done in [pool.submit(f.preload, *a) for f, a in calls]:
+    with concurrent.futures.ThreadPoolExecutor(min(len(todo), PRELOAD_THREADS)) as pool:
+        for done in [pool.submit(f.preload, *a) for f, a in todo.values()]:
             done.result()
+    missing = {}  # per store: the programs it holds no executable of
+    for (_, sig), (f, a) in todo.items():
+        if sig not in f._by_args:
+            missing.setdefault(id(f.store), []).append((f, a))
+    for group in missing.values():
+        threads = min(len(group), PRELOAD_THREADS, os.cpu_count() or 1)
+        if threads < 2:
+            continue
+        got = group[0][0].store.compile_many(
+            [(f.jitted, f.name, f.context, a) for f, a in group], threads)
+        for (f, a), fn in zip(group, got):
+            if fn is not None:
+                f._keep(f._sig(a), fn, False)
 
 
-PRELOAD_THREADS = 8
+PRELOAD_THREADS = 8  # executables loaded or compiled at once (each compile holds its program)
 
 
 def prepare(program, *args):

@@ -46,20 +46,25 @@ def test_program_saves_one_executable_per_signature_and_a_new_store_loads_them(t
     assert warm.jitted._cache_size() == 0  # nothing traced
 
 
-def test_preload_loads_saved_executables_on_threads_and_traces_nothing(tmp_path):
-    """step.preload loads what the store holds, several at once, and leaves what it lacks
-    to the in-order prepare (tracing must stay on the caller's thread)."""
-    a, b, c = (np.arange(n, dtype=np.float32) for n in (3, 4, 5))
+def test_preload_loads_what_the_store_holds_and_compiles_the_rest_together(tmp_path):
+    """step.preload loads the saved executables on threads; the missing ones it traces on
+    the caller's thread and compiles side by side into the store, so the calls after it
+    neither trace nor compile."""
+    a, b, c, d = (np.arange(n, dtype=np.float32) for n in (3, 4, 5, 6))
     cold = Program(jax.jit(_double), "double", ExecutableStore(str(tmp_path)), "ctx")
     cold(a), cold(b)
     stats = CacheStats()
     warm = Program(jax.jit(_double), "double", ExecutableStore(str(tmp_path)), "ctx")
-    preload([(warm, (a,)), (warm, (b,)), (warm, (c,)), (_double, (a,))])
-    assert (stats.loaded, stats.saved) == (2, 0)
-    assert warm.jitted._cache_size() == 0 and len(warm._by_args) == 2
-    np.testing.assert_array_equal(warm(c), c * 2 + 1)  # compiled by its call
-    np.testing.assert_array_equal(warm(a), a * 2 + 1)
-    assert (stats.loaded, stats.saved) == (2, 1)
+    preload([(warm, (a,)), (warm, (b,)), (warm, (c,)), (warm, (d,)), (warm, (a,)),
+             (_double, (a,))])
+    assert (stats.loaded, stats.saved) == (2, 2) and len(warm._by_args) == 4
+    for x in (a, b, c, d):
+        np.testing.assert_array_equal(warm(x), x * 2 + 1)
+    assert (stats.loaded, stats.saved) == (2, 2)  # nothing fetched again
+    assert len(os.listdir(tmp_path)) == 4
+    again = Program(jax.jit(_double), "double", ExecutableStore(str(tmp_path)), "ctx")
+    np.testing.assert_array_equal(again(d), d * 2 + 1)  # what preload saved loads
+    assert stats.loaded == 3 and again.jitted._cache_size() == 0
 
 
 def test_keys_follow_name_context_arguments_and_switches(tmp_path, monkeypatch):
