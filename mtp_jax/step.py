@@ -45,6 +45,7 @@ from flax import nnx
 
 from jax.sharding import Mesh
 
+from pallas_kernels.invariant import compiler_options as invariant_compiler_options
 from pallas_kernels.invariant import row_invariant
 from pallas_kernels.shift_draft_inputs import shift_draft_inputs
 
@@ -775,10 +776,20 @@ def greedy_dispatches() -> bool:
 
 
 def step_compiler_options(s: Static, kind: int) -> dict:
-    """XLA options of the decode step program of `kind` (its GEMM backend on a GPU)."""
+    """XLA options of the decode step program of `kind` (its GEMM backend on a GPU; in
+    deterministic mode every program's, `program_compiler_options`)."""
+    if s.eng.deterministic:
+        return program_compiler_options(s)
     if jax.default_backend() == "gpu" and step_gemms(s, kind) == "cublas":
         return {"xla_gpu_enable_triton_gemm": False}
     return {}
+
+
+def program_compiler_options(s: Static) -> dict:
+    """XLA options of every engine program: in deterministic mode, the row-invariant
+    ones (`pallas_kernels.invariant.compiler_options`), the same for every program so
+    that a token's GEMMs are configured alike in a decode, a verify and a prefill."""
+    return invariant_compiler_options() if s.eng.deterministic else {}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -820,6 +831,8 @@ class Programs:
         argument (the first prefill chunk's zero logits came out split over `tp`), which a
         later call's committed one (the previous chunk's replicated logits) does not
         match: `jax.jit` compiles again, a stored executable refuses the call."""
+        if compiler_options is None:
+            compiler_options = program_compiler_options(self.static)
         kw = {"compiler_options": compiler_options} if compiler_options else {}
         if self.state_sharding is not None:
             ins = (self.params_sharding,) if with_params else ()

@@ -45,6 +45,15 @@ def enabled() -> bool:
   return getattr(_STATE, "on", False)
 
 
+def compiler_options() -> dict:
+  """XLA options for a program traced under `row_invariant()`: on a GPU, GEMM autotuning
+  off. Autotuning times candidate tilings per fused GEMM and keeps the fastest, so two
+  fusions of one tile shape (a decode's and a batch's, which pad a different number of
+  rows) can take different tilings, and with them different summation orders; without it
+  a GEMM's configuration follows from its shapes alone."""
+  return {"xla_gpu_autotune_level": 0} if jax.default_backend() == "gpu" else {}
+
+
 def tile_rows() -> int:
   return TILE_ROWS.get(jax.default_backend(), DEFAULT_TILE_ROWS)
 

@@ -21,7 +21,7 @@ from mtp_jax.config import EngineConfig, MLAConfig, MoEConfig, SamplingParams, S
 from mtp_jax.engine import Engine, Request
 from mtp_jax.kv_cache import PagedKV, init_caches, make_layout
 from mtp_jax.mtp import init_model
-from pallas_kernels.invariant import einsum, row_invariant
+from pallas_kernels.invariant import compiler_options, einsum, row_invariant
 
 from spec_models import small_config
 
@@ -60,7 +60,9 @@ def forward(model, layout, caches, slots, tokens, start, invariant: bool):
             normed, _ = m.target(tokens, pos, kv.attend(pos, pos[:, -1] + 1))
             return m.target.head(normed), tuple(kv.caches)
 
-    return jax.jit(run)(caches, jnp.asarray(tokens, jnp.int32), pos, tables)
+    options = compiler_options() if invariant else {}
+    return jax.jit(run, compiler_options=options or None)(
+        caches, jnp.asarray(tokens, jnp.int32), pos, tables)
 
 
 @pytest.fixture(scope="module", params=sorted(LAYERS))

@@ -198,7 +198,11 @@ def test_kernel_head_dims_are_checked(backend, dk, dv, name, seq):
 
 
 # ------------------------------------------------------------------------------ kernels
-KERNEL_BACKENDS = ["gpu", "tpu"]
+# The TPU kernels run in Pallas TPU interpret mode, which is verified on a CPU host: on a
+# GPU host (jax 0.11.2, H200) the interpreter returned the chunked kernel's outputs right
+# but a wrong final state, which the CPU's interpreter does not.
+KERNEL_BACKENDS = ["gpu", pytest.param("tpu", marks=pytest.mark.skipif(
+    jax.default_backend() != "cpu", reason="TPU interpret mode is checked on a CPU host"))]
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
