@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels import dsa as dsa_kernel
+from pallas_kernels import invariant
 from pallas_kernels.common import resolve_backend
 
 from .config import ConfigError
@@ -97,13 +98,13 @@ class Indexer(nnx.Module):
 
     def __call__(self, x, q_latent, positions) -> IndexQuery:
         inv_freq, scale = rope_inv_freq(self.rope)
-        q = jnp.einsum("btc,chi->bthi", q_latent, self.wq_b[...])
-        k = self.k_norm(jnp.einsum("btd,di->bti", x, self.wk[...]))
+        q = invariant.einsum("btc,chi->bthi", q_latent, self.wq_b[...])
+        k = self.k_norm(invariant.einsum("btd,di->bti", x, self.wk[...]))
         q = apply_rope(q, positions, inv_freq, scale)
         k = apply_rope(k[:, :, None], positions, inv_freq, scale)[:, :, 0]
-        w = jnp.einsum("btd,dh->bth", x.astype(jnp.float32),  # f32, as published
-                       self.weights_proj[...].astype(jnp.float32),
-                       precision=jax.lax.Precision.HIGHEST) * self.scale
+        w = invariant.einsum("btd,dh->bth", x.astype(jnp.float32),  # f32, as published
+                             self.weights_proj[...].astype(jnp.float32),
+                             precision=jax.lax.Precision.HIGHEST) * self.scale
         return IndexQuery(q, w, k, self.topk)
 
 

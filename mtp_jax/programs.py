@@ -59,6 +59,11 @@ class Runner:
             if model.kv_scales is None:  # calibrated once per model, kept with it
                 model.kv_scales = calibrate_kv_scales(model)
             scales = model.kv_scales
+        if eng.deterministic and model.config.linear_layers:
+            raise ConfigError(
+                "deterministic=True does not cover Gated DeltaNet (linear-attention) layers: "
+                "a prompt's tokens run the chunked delta rule and decoded ones the recurrent "
+                "rule, whose sums are taken in different orders; run without it")
         if mesh is not None:
             check_mesh(model.config, mesh)
             if eng.max_batch % mesh.shape["dp"]:

@@ -91,6 +91,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import invariant
 from pallas_kernels.common import FP8_DTYPE, check_positive_ints, next_pow2, resolve_backend
 from pallas_kernels.paged_mla import check_latent_inputs, scale_queries
 
@@ -177,10 +178,10 @@ def index_scores_reference(q, w, k_pages, block_table, kv_lens, *, k_scale=None)
   visible = visible_positions(kv_lens, q_len, keys.shape[1])         # [B, T, S]
   # Keys no row sees may hold anything (NaN included): zero them before the dot.
   keys = jnp.where(visible.any(axis=1)[..., None], keys, 0.0)
-  dots = jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), keys,
-                    precision=lax.Precision.HIGHEST)
-  scores = jnp.einsum("bths,bth->bts", jnp.maximum(dots, 0.0), w.astype(jnp.float32),
-                      precision=lax.Precision.HIGHEST)
+  dots = invariant.einsum("bthd,bsd->bths", q.astype(jnp.float32), keys, rows="th",
+                          precision=lax.Precision.HIGHEST)
+  scores = invariant.einsum("bths,bth->bts", jnp.maximum(dots, 0.0), w.astype(jnp.float32),
+                            rows="t", precision=lax.Precision.HIGHEST)
   scores = jnp.where(scores == 0.0, 0.0, scores)   # -0.0 -> +0.0 (module docstring)
   return jnp.where(visible, scores, -jnp.inf)
 
@@ -232,15 +233,15 @@ def sparse_mla_reference(q, kv_pages, block_table, indices, *, v_dim, sm_scale,
   live = indices >= 0                                                # [B, T, K]
   rows = gather_rows(kv_pages, block_table, indices).astype(q.dtype)  # [B, T, K, Dk]
   rows = jnp.where(live[..., None], rows, 0)
-  logits = jnp.einsum("bthd,btkd->bthk", q, rows, precision=precision,
-                      preferred_element_type=jnp.float32) * sm_scale
+  logits = invariant.einsum("bthd,btkd->bthk", q, rows, rows="t", precision=precision,
+                            preferred_element_type=jnp.float32) * sm_scale
   mask = live[:, :, None, :]
   logits = jnp.where(mask, logits, -jnp.inf)
   m = logits.max(axis=-1, keepdims=True)
   p = jnp.where(mask, jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
   l = p.sum(axis=-1)
-  o = jnp.einsum("bthk,btkv->bthv", p, rows[..., :v_dim].astype(jnp.float32),
-                 precision=precision)
+  o = invariant.einsum("bthk,btkv->bthv", p, rows[..., :v_dim].astype(jnp.float32),
+                       rows="t", precision=precision)
   seen = l != 0.0
   o = jnp.where(seen[..., None], o / jnp.where(seen, l, 1.0)[..., None], 0.0)
   if kv_scale is not None:

@@ -10,13 +10,16 @@ plain decoding in bf16 and does not depend on the batch.
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from mtp_jax.checkpoint import from_params, to_flat
+from mtp_jax.checkpoint import from_params, load, to_flat
 from mtp_jax.config import EngineConfig, MLAConfig, MoEConfig, SamplingParams, SpecConfig
 from mtp_jax.engine import Engine, Request
 from mtp_jax.kv_cache import PagedKV, init_caches, make_layout
@@ -32,12 +35,18 @@ LAYERS = {
                                                          intermediate_size=48),
                     mla=MLAConfig(kv_lora_rank=32, qk_nope_dim=16, qk_rope_dim=8,
                                   v_head_dim=16, q_lora_rank=None), head_dim=24),
+    "dsa": None,  # bf16_model
     "window_sinks": dict(layout="mimo", sliding_windows=(6, None),
                          layer_sinks=(True, True, False, False, False)),
 }
 
 
 def bf16_model(name: str):
+    if name == "dsa":  # the DeepSeek-V3.2 fixture (MLA + MoE + indexer), top-4 selection
+        model = load(os.path.join(os.path.dirname(__file__), "golden", "deepseek_v32_exp"))
+        cfg = dataclasses.replace(model.config, dtype="bfloat16", dsa=dataclasses.replace(
+            model.config.dsa, index_topk=4))
+        return from_params(cfg, to_flat(model.params), jnp.bfloat16)
     kw = dict(LAYERS[name])
     cfg = small_config(kw.pop("layout"), hidden=128, dtype="bfloat16", **kw)
     flat = to_flat(nnx.split(init_model(cfg, seed=3))[1])

@@ -196,6 +196,13 @@ def test_linear_mtp_layers_and_mla_hybrids_are_refused():
         small_config("mimo", **{**HYBRID, "attention_bias": False})
 
 
+def test_deterministic_mode_refuses_linear_attention_layers():
+    model = markov_model("qwen3_next", seed=1, **HYBRID)
+    with pytest.raises(ConfigError, match="deterministic.*Gated DeltaNet"):
+        Engine(model, SpecConfig("chain", num_speculative_tokens=1),
+               EngineConfig(max_batch=2, max_model_len=64, deterministic=True))
+
+
 def test_state_dtype_and_rope_sections_are_checked():
     raw = json.loads((GOLDEN / "qwen3_5_dense" / "config.json").read_text())
     assert from_hf(raw).gdn.num_v_heads == 4
