@@ -3,14 +3,16 @@ tokens/s, with a projection from measured acceptance.
 
   PYTHONPATH=. python launch/bench_tree_decode.py [--batches 1] [--prompt-len 1024]
       [--new-tokens 256] [--trees "2,2,1;budget:8"] [--method chain] [--reps 2]
-      [--acceptance tree_acceptance.json] [--model DIR | --tiny]
+      [--acceptance tree_acceptance.json] [--model DIR [--prompts FILE [--limit N]] | --tiny]
 
 The MiMo-7B shape of launch/bench_decode.py with its oracle weights (every draft agrees
 with the target: a tree's first path is always accepted, so every run commits K + 1
 tokens a step and the comparison is the steps' cost), or --model's weights (the shipped
 model: real acceptance, but too small for a GPU's step times to mean much). For each
 batch B: B requests of --prompt-len random tokens and --new-tokens new tokens on engines
-of max_batch B (`none`, the method at K=3, the method with each tree), each compiled
+of max_batch B (with --prompts: the first --limit prompts of FILE, tokenized, as one job
+per B, so the shipped model's own acceptance on real text shows; the steps are then the
+passes over the B slots) (`none`, the method at K=3, the method with each tree), each compiled
 and warmed up first; the time is `Engine.generate` wall time, prefill included, best of
 --reps. Reports tokens/s, tokens per target pass, seconds per step (wall over the steps
 of the longest request) and, with --acceptance (launch/tree_acceptance.py's JSON report),
@@ -46,7 +48,7 @@ def log(*a):
 
 
 def run_job(model, name: str, spec: SpecConfig, b: int, prompts, new_tokens: int, reps: int):
-    eng_cfg = EngineConfig(max_batch=b, max_model_len=len(prompts[0]) + new_tokens + 8,
+    eng_cfg = EngineConfig(max_batch=b, max_model_len=max(map(len, prompts)) + new_tokens + 8,
                            prefill_chunk=256)
     t0 = time.perf_counter()
     eng = Engine(model, spec, eng_cfg)
@@ -63,7 +65,9 @@ def run_job(model, name: str, spec: SpecConfig, b: int, prompts, new_tokens: int
     del eng
     gen = sum(len(r.token_ids) for r in out)
     passes = sum(r.num_steps + 1 for r in out)
-    steps = max(r.num_steps for r in out)
+    # the slots' steps: the longest request's when all run at once, else the passes
+    # spread over the b slots (a job of more prompts than slots)
+    steps = max(r.num_steps for r in out) if len(prompts) <= b else -(-passes // b)
     return {"run": name, "draft_tree": spec.draft_tree, "compile_s": compile_s, "wall_s": best,
             "generated_tokens": gen, "tokens_per_s": gen / best,
             "tokens_per_pass": gen / passes, "steps": steps,
@@ -94,7 +98,13 @@ def main(argv=None):
     ap.add_argument("--acceptance", help="tree_acceptance.py's JSON report")
     ap.add_argument("--model", help="a model folder instead of the oracle MiMo-7B shape")
     ap.add_argument("--tiny", action="store_true", help="tiny oracle shapes (a CPU smoke run)")
+    ap.add_argument("--prompts", help="with --model: a JSONL file of prompts (`prompt` text, "
+                                      "e.g. launch/data/heldout_package_prompts.jsonl) run "
+                                      "as one job per batch size instead of random tokens")
+    ap.add_argument("--limit", type=int, default=16, help="--prompts: the first N (16)")
     args = ap.parse_args(argv)
+    if args.prompts and not args.model:
+        ap.error("--prompts needs --model (the oracle shape has no tokenizer)")
     dev = jax.devices()[0]
     log(f"device {dev.device_kind}, jax {jax.__version__}")
     if args.model:
@@ -111,8 +121,13 @@ def main(argv=None):
     passes = measured_passes(args.acceptance, args.method) if args.acceptance else {}
     rng = np.random.default_rng(0)
     table = []
+    job = None
+    if args.prompts:
+        with open(args.prompts) as f:
+            texts = [json.loads(line)["prompt"] for line in f if line.strip()][: args.limit]
+        job = [model.tokenizer.encode(t).ids for t in texts]
     for b in [int(x) for x in args.batches.split(",")]:
-        prompts = rng.integers(0, vocab, (b, args.prompt_len)).tolist()
+        prompts = job or rng.integers(0, vocab, (b, args.prompt_len)).tolist()
         runs = [run_job(model, name, spec, b, prompts, args.new_tokens, args.reps)
                 for name, spec in specs]
         want = runs[0]["tokens"]
