@@ -40,6 +40,7 @@ loaded, saved and replaced, for run summaries.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import hashlib
 import importlib
@@ -361,6 +362,21 @@ def _load(path: str):
         return None
 
 
+@contextlib.contextmanager
+def _past_jax_cache():
+    """JAX's persistent cache off while the compiles inside run (one set of them at a
+    time: the switch is global)."""
+    was = jax.config.jax_enable_compilation_cache
+    with _lock:
+        jax.config.update("jax_enable_compilation_cache", False)
+        _reset_jax_cache()
+        try:
+            yield
+        finally:
+            jax.config.update("jax_enable_compilation_cache", was)
+            _reset_jax_cache()
+
+
 def _compile_fresh(lowered):
     """lowered.compile() by XLA itself, with JAX's persistent cache out of the way.
 
@@ -368,15 +384,8 @@ def _compile_fresh(lowered):
     CPU (jaxlib 0.10.2: loaded in any process, its first call fails with `NOT_FOUND:
     Function ... not found`), so what the store saves must be compiled here. The store
     holds these programs, so JAX's cache does not need them either."""
-    was = jax.config.jax_enable_compilation_cache
-    with _lock:
-        jax.config.update("jax_enable_compilation_cache", False)
-        _reset_jax_cache()
-        try:
-            return lowered.compile()
-        finally:
-            jax.config.update("jax_enable_compilation_cache", was)
-            _reset_jax_cache()
+    with _past_jax_cache():
+        return lowered.compile()
 
 
 def _compile_fresh_many(lowered: list, threads: int) -> list:
@@ -388,16 +397,8 @@ def _compile_fresh_many(lowered: list, threads: int) -> list:
         except Exception:  # noqa: BLE001 (surfaces when the caller compiles it alone)
             return None
 
-    was = jax.config.jax_enable_compilation_cache
-    with _lock:
-        jax.config.update("jax_enable_compilation_cache", False)
-        _reset_jax_cache()
-        try:
-            with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
-                return list(pool.map(one, lowered))
-        finally:
-            jax.config.update("jax_enable_compilation_cache", was)
-            _reset_jax_cache()
+    with _past_jax_cache(), concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
+        return list(pool.map(one, lowered))
 
 
 _stores: dict = {}  # folder -> ExecutableStore
